@@ -1,0 +1,3 @@
+from dsa.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""``python -m dsa bench <op>``: same-run ceilings, then the op, results as JSON under benchmarks/results/."""
+import argparse
+import importlib
+
+from .harness import Timer, env_info, measure_ceilings, require_cuda, write_result
+
+TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> rows
+    "indexer": "dsa.bench.indexer",
+    "topk": "dsa.bench.topk",
+    "mla": "dsa.bench.mla",
+}
+NOT_BUILT = {"layer": 7, "crossover": 7, "plot": 7}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks on a CUDA GPU (ceilings, indexer, topk, mla) and reports")
+    p.add_argument("op", choices=["ceilings", *TIMED, "render", *NOT_BUILT])
+    p.add_argument("--out", default="benchmarks/results", help="folder for the result JSON (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=30, help="timed calls per row (median reported)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    p.add_argument("--results", default="benchmarks/results", help="render: folder of result JSON")
+    p.add_argument("--readme", default=None, help="render: README to update between the perf markers")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.op in NOT_BUILT:
+        print(f"dsa bench {args.op}: not built yet (arrives with issue #{NOT_BUILT[args.op]})")
+        return 2
+    if args.op == "render":
+        from .report import render_command
+        return render_command(args.results, args.readme)
+    device = require_cuda(args.op)
+    env = env_info()
+    print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  git {env['git_sha'][:12]}")
+    ceilings = measure_ceilings(device)
+    print("ceilings: copy {copy_tbps:.2f} TB/s, bf16 {bf16_tflops:.0f} TFLOP/s (p10 {bf16_tflops_p10:.0f}), "
+          "fp8 {fp8_tflops:.0f} TFLOP/s".format(**ceilings))
+    rows = []
+    if args.op in TIMED:
+        timer = Timer(device, reps=args.reps)
+        rows = importlib.import_module(TIMED[args.op]).run(device, timer, ceilings, args)
+    path = write_result(args.op, rows, ceilings, env, args.out,
+                        args={k: v for k, v in vars(args).items() if k != "func"})
+    from .report import format_rows
+    print(format_rows(rows))
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,89 @@
+"""Turn committed benchmark JSON into text and README tables (no GPU needed)."""
+import glob
+import json
+import os
+
+BEGIN, END = "<!-- perf:begin -->", "<!-- perf:end -->"
+
+
+def _shape(shape: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items())
+
+
+def _num(x, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def _cells(row: dict) -> list[str]:
+    frac = row.get("frac_ceiling")
+    target = row.get("target_us")
+    return [row["name"], row["impl"], _shape(row.get("shape", {})), _num(row["median_us"], ".1f"),
+            _num(row.get("tbps"), ".2f"), _num(row.get("tflops"), ".0f"),
+            "" if frac is None else f"{100 * frac:.0f}% {row.get('bound', '')}",
+            "" if target is None else f"<= {target:g}"]
+
+
+HEAD = ["op", "impl", "shape", "median us", "TB/s", "TFLOP/s", "of same-run ceiling", "target us"]
+
+
+def format_rows(rows: list) -> str:
+    """A fixed-width text table of result rows (the CLI's closing print)."""
+    table = [HEAD] + [_cells(r) for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(HEAD))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in table)
+
+
+def load_results(folder: str) -> list[dict]:
+    """Every result file in ``folder``, newest first within each op."""
+    docs = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path) as f:
+            doc = json.load(f)
+        if "op" in doc and "rows" in doc and "ceilings" in doc:
+            doc["path"] = os.path.basename(path)
+            docs.append(doc)
+    return sorted(docs, key=lambda d: (d["op"], d["env"].get("time_utc", d["env"].get("date", ""))), reverse=True)
+
+
+def render_markdown(docs: list[dict]) -> str:
+    """README tables: the ceilings of each run, then the rows of the newest run of each op."""
+    if not docs:
+        return "_No benchmark results committed yet._"
+    lines = ["| result file | GPU | copy TB/s | bf16 TFLOP/s | fp8 TFLOP/s | torch | triton | git |",
+             "|---|---|---|---|---|---|---|---|"]
+    newest, seen = [], set()
+    for d in docs:
+        if d["op"] in seen:
+            continue
+        seen.add(d["op"])
+        newest.append(d)
+        c, e = d["ceilings"], d["env"]
+        lines.append(f"| `{d['path']}` | {e.get('gpu', '?')} | {c['copy_tbps']:.2f} | {c['bf16_tflops']:.0f} | "
+                     f"{c['fp8_tflops']:.0f} | {e.get('torch', '')} | {e.get('triton', '')} | "
+                     f"`{e.get('git_sha', '')[:10]}` |")
+    rows = [r for d in sorted(newest, key=lambda d: d["op"]) for r in d["rows"]]
+    if rows:
+        lines += ["", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+        lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def update_readme(readme: str, markdown: str) -> None:
+    with open(readme) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme}: no {BEGIN} ... {END} markers to render between")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(readme, "w") as f:
+        f.write(f"{head}{BEGIN}\n{markdown}\n{END}{tail}")
+
+
+def render_command(results: str, readme: str | None) -> int:
+    markdown = render_markdown(load_results(results))
+    if readme:
+        update_readme(readme, markdown)
+        print(f"updated {readme}")
+    else:
+        print(markdown)
+    return 0

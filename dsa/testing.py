@@ -1,0 +1,58 @@
+"""Helpers shared by the kernel tests and benchmarks: paged inputs, poisoning, comparisons."""
+import torch
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """``1 - 2<x,y> / (|x|^2 + |y|^2)`` in float64 (DeepGEMM's measure); 0 for identical tensors."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    return 0.0 if denom == 0 else float(1 - 2 * (x * y).sum() / denom)
+
+
+def random_block_tables(seq_lens: list[int], block_size: int, *, extra_blocks: int = 0, generator=None,
+                        device=None) -> tuple[torch.Tensor, int]:
+    """Non-contiguous block tables: each request owns ``ceil(S / P)`` distinct random blocks.
+
+    Returns ``(block_table [B, MB] int32, num_blocks)``; unused table entries are 0 (never read
+    for valid positions). ``extra_blocks`` leaves blocks that no request owns.
+    """
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(need) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=generator)
+    mb = max(need + [1])
+    table = torch.zeros(len(seq_lens), mb, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[at:at + n].to(torch.int32)
+        at += n
+    return table.to(device), num_blocks
+
+
+def owned_slots(block_table: torch.Tensor, seq_lens, block_size: int) -> torch.Tensor:
+    """int64 slots of positions ``0 .. S_b - 1`` of every request, concatenated."""
+    out = []
+    for b, s in enumerate(seq_lens):
+        pos = torch.arange(int(s), device=block_table.device)
+        out.append(block_table[b].long()[pos // block_size] * block_size + pos % block_size)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=block_table.device)
+
+
+def poison_unowned_rows(cache: torch.Tensor, owned: torch.Tensor) -> None:
+    """Fill every token row of a ``[NB, P, ...]`` cache that ``owned`` (int64 slots) does not name
+    with NaN bytes (0xFF: NaN in e4m3, bf16 and fp32), the unwritten tails of owned blocks too."""
+    assert cache.is_contiguous()
+    flat = cache.view(torch.uint8).view(cache.shape[0] * cache.shape[1], -1)
+    keep = torch.zeros(flat.shape[0], dtype=torch.bool, device=cache.device)
+    keep[owned] = True
+    flat[~keep] = 0xFF
+
+
+def poison_unowned_indexer_rows(cache: torch.Tensor, owned: torch.Tensor, block_size: int) -> None:
+    """The same for a planar indexer cache ``uint8 [NB, P * (DI + 4)]``: values and scales."""
+    from dsa.kernels.layouts import indexer_cache_views
+    k8, scale = indexer_cache_views(cache, block_size)
+    keep = torch.zeros(cache.shape[0] * block_size, dtype=torch.bool, device=cache.device)
+    keep[owned] = True
+    keep = keep.view(cache.shape[0], block_size)
+    k8.view(torch.uint8)[~keep] = 0xFF
+    scale.view(torch.int32)[~keep] = -1  # 0xFFFFFFFF: NaN

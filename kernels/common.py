@@ -1,0 +1,102 @@
+"""Input validation and backend choice shared by the public ops of ``dsa.kernels``."""
+import os
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+
+# Triton's own switch: with TRITON_INTERPRET=1 set before this package is imported, Triton
+# kernels run on CPU tensors through its interpreter (the tests use this without a GPU).
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_names(dtypes) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, t, *, dtype=None, shape=None, device=None) -> None:
+    """Raise TypeError/ValueError naming ``name`` unless ``t`` is a tensor that matches.
+
+    ``dtype``: a dtype or a tuple of allowed dtypes. ``shape``: a tuple of ints or None
+    (wildcards), or an int for the number of dims. ``device``: a device ``t`` must be on.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in allowed:
+            raise TypeError(f"{name}: expected dtype {_dtype_names(allowed)}, got {str(t.dtype).replace('torch.', '')}")
+    if shape is not None:
+        ndim = shape if isinstance(shape, int) else len(shape)
+        ok = t.dim() == ndim and (isinstance(shape, int) or all(
+            want is None or want == got for want, got in zip(shape, t.shape)))
+        if not ok:
+            want = f"{ndim} dims" if isinstance(shape, int) else "[" + ", ".join(
+                "*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+
+
+def check_same_device(**tensors) -> torch.device:
+    """All tensors on one device; returns it."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    first = next(iter(devices.values()))
+    for name, dev in devices.items():
+        if dev != first:
+            others = ", ".join(f"{n} on {d}" for n, d in devices.items())
+            raise ValueError(f"{name}: all tensors must be on one device, got {others}")
+    return first
+
+
+def check_block_size(block_size, *, name: str = "block_size") -> int:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"{name}: expected a positive int, got {block_size!r}")
+    return block_size
+
+
+def resolve_backend(backend: str, device: torch.device, op: str, *, kernel_ready: bool = True,
+                    issue: int | None = None, triton_dtypes_ok: bool = True, block_size: int | None = None) -> str:
+    """Return ``"torch"`` or ``"triton"`` for one call of op ``op``.
+
+    ``"auto"`` runs Triton on CUDA tensors whose dtypes the kernel takes (``triton_dtypes_ok``)
+    and the reference otherwise. ``"triton"`` needs CUDA tensors, or CPU tensors with
+    ``TRITON_INTERPRET=1`` set before ``dsa.kernels`` was imported. Triton kernels take block
+    sizes that are multiples of 16; on CUDA any other size is refused, never silently rerouted.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    if backend == "auto" and (device.type != "cuda" or not triton_dtypes_ok):
+        return "torch"
+    if not triton_dtypes_ok:
+        raise TypeError(f"{op}: the Triton kernel takes the low-precision dtypes of its docstring; float32, "
+                        "float64 and exact-precision inputs run through backend='torch'")
+    if not kernel_ready:
+        if backend == "auto":
+            return "torch"
+        raise NotImplementedError(f"{op}: the Triton kernel arrives with issue #{issue}; use backend='torch'")
+    if device.type != "cuda" and not (device.type == "cpu" and TRITON_INTERPRET):
+        raise ValueError(f"{op}: backend='triton' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
+                         f"set before dsa.kernels is imported; got tensors on {device}")
+    if block_size is not None and block_size % 16 != 0:
+        raise ValueError(f"block_size: the Triton kernel of {op} takes multiples of 16, got {block_size}; "
+                         "use backend='torch' for other block sizes")
+    return "triton"
+
+
+def torch_only(backend: str, op: str) -> None:
+    """For ops with no Triton version: validate ``backend`` and refuse ``"triton"``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        raise ValueError(f"{op}: no Triton version exists (torch-only op); use backend='auto' or 'torch'")
+
+
+def compute_dtype(*tensors) -> torch.dtype:
+    """float64 when any float input is float64, else float32: the references' arithmetic."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32

@@ -1,0 +1,49 @@
+"""dense_mla_decode: absorbed MLA decode rows over every visible position of their paged context."""
+import torch
+
+from .common import FLOAT_DTYPES, check_same_device, check_tensor, resolve_backend
+from .layouts import LATENT_DIM, latent_cache_format
+from .slots import positions_to_slots_reference
+from .sparse_mla import sparse_mla_reference
+
+
+def dense_mla_decode_reference(q, latent_cache, block_table, seq_lens, softmax_scale):
+    b, n, h, d = q.shape
+    block_size = latent_cache.shape[1]
+    width = int(seq_lens.max()) if b else 0
+    pos = torch.arange(width, dtype=torch.int32, device=q.device)
+    last = (seq_lens[:, None] - n + torch.arange(n, device=q.device)).reshape(b * n)  # last visible position
+    positions = torch.where(pos[None, :] <= last[:, None], pos[None, :], -1).to(torch.int32)  # [B*N, W]
+    row_to_req = torch.arange(b, dtype=torch.int32, device=q.device).repeat_interleave(n)
+    slots = positions_to_slots_reference(positions, block_table, row_to_req, seq_lens, block_size)
+    out, lse = sparse_mla_reference(q.reshape(b * n, h, d), latent_cache, slots, softmax_scale)
+    return out.view(b, n, h, -1), lse.view(b, n, h)
+
+
+def dense_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     softmax_scale: float, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed attention of decode rows over their whole visible context.
+
+    Args:
+        q: ``[B, N, H, 576]`` bfloat16 absorbed queries (float32/float64 through the reference).
+        latent_cache: bfloat16 ``[NB, P, 576]``, uint8 ``[NB, P, 656]`` or float32 ``[NB, P, 576]``.
+        block_table: ``[B, MB]`` int32.
+        seq_lens: ``[B]`` int32, ``S`` of each request (its ``N`` new tokens included).
+        softmax_scale: multiplies ``q . k``.
+
+    Returns:
+        ``(out [B, N, H, 512] q.dtype, lse [B, N, H] float32)``: query ``j`` of request ``b``
+        attends positions ``[0, S_b - N + j]`` of its own blocks; no visible position gives
+        ``out = 0``, ``lse = -inf``.
+    """
+    fmt = latent_cache_format(latent_cache)
+    check_tensor("q", q, dtype=FLOAT_DTYPES, shape=(None, None, None, LATENT_DIM))
+    b = q.shape[0]
+    check_tensor("block_table", block_table, dtype=torch.int32, shape=(b, None))
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(b,))
+    device = check_same_device(q=q, latent_cache=latent_cache, block_table=block_table, seq_lens=seq_lens)
+    impl = resolve_backend(backend, device, "dense_mla_decode", kernel_ready=False, issue=5,
+                           triton_dtypes_ok=fmt != "fp32" and q.dtype == torch.bfloat16,
+                           block_size=latent_cache.shape[1])
+    if impl == "torch":
+        return dense_mla_decode_reference(q, latent_cache, block_table, seq_lens, float(softmax_scale))

@@ -1,0 +1,50 @@
+"""latent_write: store ``[kv_c | k_pe]`` rows in the latent cache (bf16, FP8-656 or fp32) by slot."""
+import torch
+
+from .common import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, resolve_backend
+from .layouts import (FP8_MAX, KV_LORA_RANK, LATENT_FP8_TILE, ROPE_DIM, latent_cache_format, latent_fp8_scale,
+                      latent_fp8_views)
+
+
+def latent_write_reference(latent_cache, kv_c, k_pe, slot_mapping):
+    block_size = latent_cache.shape[1]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    block, offset = slots[keep] // block_size, slots[keep] % block_size
+    kv_c, k_pe = kv_c[keep], k_pe[keep]
+    if latent_cache_format(latent_cache) != "fp8":
+        latent_cache[block, offset] = torch.cat((kv_c, k_pe), dim=-1).to(latent_cache.dtype)
+        return
+    tiles = kv_c.float().unflatten(-1, (-1, LATENT_FP8_TILE))  # [T, 4, 128]
+    scale = latent_fp8_scale(tiles.abs().amax(dim=-1))  # [T, 4] fp32, power of two
+    kv8 = (tiles / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    kv8_cache, scale_cache, k_pe_cache = latent_fp8_views(latent_cache)
+    kv8_cache[block, offset] = kv8.flatten(-2)
+    scale_cache[block, offset] = scale
+    k_pe_cache[block, offset] = k_pe.to(torch.bfloat16)
+
+
+def latent_write(latent_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
+                 *, backend: str = "auto") -> None:
+    """Write latent rows into the paged cache, in place.
+
+    Args:
+        latent_cache: bfloat16 ``[NB, P, 576]``, uint8 ``[NB, P, 656]`` (FlashMLA FP8 layout)
+            or float32 ``[NB, P, 576]`` (reference only).
+        kv_c: ``[T, 512]`` bfloat16 (float32/float64 through the reference), after kv_a_layernorm.
+        k_pe: ``[T, 64]``, same dtype, after RoPE.
+        slot_mapping: ``[T]`` int32/int64; ``-1`` (any negative) is skipped.
+
+    bf16/fp32 rows are ``[kv_c | k_pe]`` cast to the cache dtype. FP8 rows hold four 128-wide
+    e4m3 tiles of ``kv_c`` with ue8m0 scales ``max(amax / 448, 1e-4)``, then ``k_pe`` in bf16.
+    """
+    fmt = latent_cache_format(latent_cache)
+    check_tensor("kv_c", kv_c, dtype=FLOAT_DTYPES, shape=(None, KV_LORA_RANK))
+    t = kv_c.shape[0]
+    check_tensor("k_pe", k_pe, dtype=kv_c.dtype, shape=(t, ROPE_DIM))
+    check_tensor("slot_mapping", slot_mapping, dtype=INDEX_DTYPES, shape=(t,))
+    device = check_same_device(latent_cache=latent_cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
+    impl = resolve_backend(backend, device, "latent_write", kernel_ready=False, issue=5,
+                           triton_dtypes_ok=fmt != "fp32" and kv_c.dtype == torch.bfloat16)
+    if impl == "torch":
+        latent_write_reference(latent_cache, kv_c, k_pe, slot_mapping)

@@ -1,0 +1,106 @@
+"""Torch-only ops: YaRN cos/sin tables and rotary embedding (interleaved or NeoX)."""
+import math
+
+import torch
+
+from .common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, check_same_device, compute_dtype, torch_only
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """DeepSeek's YaRN magnitude: ``0.1 * mscale * ln(factor) + 1`` for ``factor > 1``, else 1."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _yarn_inv_freq(rope_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    original = int(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+
+    def correction_dim(rotations):
+        return rope_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1 where a dim keeps its original frequency
+    inv_freq = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def yarn_cos_sin(max_positions: int, rope_dim: int, rope_theta: float, rope_scaling: dict | None = None,
+                 *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables, with DeepSeek YaRN when ``rope_scaling`` says ``yarn``.
+
+    Args:
+        max_positions: rows of the tables (positions 0 .. max_positions - 1).
+        rope_dim: ``D_R`` (even).
+        rope_theta: the base.
+        rope_scaling: ``None`` or a dict with ``type``/``rope_type`` ``"yarn"``, ``factor``,
+            ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``mscale``,
+            ``mscale_all_dim`` (HF names).
+
+    Returns:
+        ``(cos, sin)``, each ``[max_positions, rope_dim // 2]`` float32, multiplied by
+        ``yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)`` under YaRN.
+    """
+    torch_only(backend, "yarn_cos_sin")
+    if not isinstance(rope_dim, int) or rope_dim < 2 or rope_dim % 2:
+        raise ValueError(f"rope_dim: expected a positive even int, got {rope_dim!r}")
+    if not isinstance(max_positions, int) or max_positions < 1:
+        raise ValueError(f"max_positions: expected a positive int, got {max_positions!r}")
+    kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    attention_factor = 1.0
+    if kind == "yarn":
+        inv_freq = _yarn_inv_freq(rope_dim, float(rope_theta), rope_scaling)
+        factor = float(rope_scaling["factor"])
+        attention_factor = (yarn_mscale(factor, float(rope_scaling.get("mscale", 1.0)))
+                            / yarn_mscale(factor, float(rope_scaling.get("mscale_all_dim", 0.0))))
+    elif kind == "default":
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    else:
+        raise ValueError(f"rope_scaling: only 'yarn' or no scaling is supported, got {kind!r}")
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D_R/2]
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def apply_rope_reference(x, positions, cos, sin, interleaved):
+    dt = compute_dtype(x)
+    c = cos[positions.long()].to(dt)  # [T, D_R/2]
+    s = sin[positions.long()].to(dt)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1] // 2,)
+    c, s = c.view(shape), s.view(shape)
+    xf = x.to(dt)
+    if interleaved:
+        a, b = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    else:
+        a, b = xf.chunk(2, dim=-1)
+        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    return out.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool, *, backend: str = "auto") -> torch.Tensor:
+    """Rotate the whole last dim of ``x`` by each token's position.
+
+    Args:
+        x: ``[T, ..., D_R]`` bfloat16, float32 or float64.
+        positions: ``[T]`` int32/int64, each in ``[0, cos.shape[0])``.
+        cos, sin: ``[max_positions, D_R // 2]`` float32 (from :func:`yarn_cos_sin`).
+        interleaved: rotate pairs ``(x[2i], x[2i+1])`` (MLA, DeepSeek layout) if True, else
+            NeoX halves ``(x[i], x[i + D_R/2])``.
+
+    Returns:
+        The same shape and dtype (computed in float32, float64 for float64 input).
+    """
+    torch_only(backend, "apply_rope")
+    check_tensor("x", x, dtype=FLOAT_DTYPES)
+    if x.dim() < 2 or x.shape[-1] % 2:
+        raise ValueError(f"x: expected [T, ..., D_R] with D_R even, got {list(x.shape)}")
+    check_tensor("positions", positions, dtype=INDEX_DTYPES, shape=(x.shape[0],))
+    check_tensor("cos", cos, dtype=FLOAT_DTYPES, shape=(None, x.shape[-1] // 2))
+    check_tensor("sin", sin, dtype=FLOAT_DTYPES, shape=tuple(cos.shape))
+    check_same_device(x=x, positions=positions, cos=cos, sin=sin)
+    return apply_rope_reference(x, positions, cos, sin, interleaved)

@@ -1,0 +1,91 @@
+"""Test setup: Triton's CPU interpreter when no GPU is present, made to round like the GPU.
+
+``TRITON_INTERPRET=1`` must be set before ``dsa.kernels`` (and Triton's jit) is imported, so
+it is set here, at the top of the first module pytest loads. Under the interpreter Triton
+stores bf16 as uint16 and fp8 as uint8 and gets them wrong (3.6-3.9: ``tl.dot`` on bf16
+multiplies bit patterns, fp32->bf16 truncates, fp32->e4m3 rounds wrongly; triton#11584).
+:func:`_install_interpreter_fix` routes every float<->float conversion through torch (round to
+nearest even, as the GPU) and upcasts bf16 dot operands to fp32. Test harness only.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _install_interpreter_fix():
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    if getattr(interp.InterpreterBuilder, "_dsa_fixed", False):
+        return
+    to_torch_dtype = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+                      tl.float64: torch.float64, tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+    storage = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
+               torch.bfloat16: np.uint16, torch.float8_e4m3fn: np.uint8, torch.float8_e5m2: np.uint8}
+
+    def as_torch(data, dtype):
+        arr = np.ascontiguousarray(data).view(storage[dtype])
+        if storage[dtype] is np.uint16:
+            return torch.from_numpy(arr.view(np.int16)).view(dtype)
+        if storage[dtype] is np.uint8:
+            return torch.from_numpy(arr).view(dtype)
+        return torch.from_numpy(arr)
+
+    def as_numpy(t):
+        if storage[t.dtype] is np.uint16:
+            return t.view(torch.int16).numpy().view(np.uint16)
+        if storage[t.dtype] is np.uint8:
+            return t.view(torch.uint8).numpy()
+        return t.numpy()
+
+    def convert(src, dst_type):
+        s, d = src.dtype.scalar, dst_type.scalar
+        if s in to_torch_dtype and d in to_torch_dtype and s != d:
+            out = as_torch(src.data, to_torch_dtype[s]).to(to_torch_dtype[d])
+            return interp.TensorHandle(as_numpy(out).reshape(src.data.shape), d)
+        return None
+
+    builder = interp.InterpreterBuilder
+    cast_impl, fp_to_fp, create_dot = builder.cast_impl, builder.create_fp_to_fp, builder.create_dot
+
+    def cast(self, src, dst_type):
+        return convert(src, dst_type) or cast_impl(self, src, dst_type)
+
+    def fp_to_fp_fixed(self, src, dst_type, rounding_mode):
+        return convert(src, dst_type) or fp_to_fp(self, src, dst_type, rounding_mode)
+
+    def upcast(h):
+        return convert(h, tl.float32) if h.dtype.scalar == tl.bfloat16 else h
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, upcast(a), upcast(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.cast_impl = cast
+    builder.create_fp_to_fp = fp_to_fp_fixed
+    builder.create_fp_ext = lambda self, src, dst_type: cast(self, src, dst_type)
+    builder.create_fp_trunc = lambda self, src, dst_type: cast(self, src, dst_type)
+    builder.create_dot = dot
+    builder._dsa_fixed = True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _install_interpreter_fix()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,127 @@
+"""Bad input at the public boundary raises ValueError/TypeError naming the argument; backend rules."""
+import pytest
+import torch
+
+from dsa import kernels as K
+from dsa.kernels.common import TRITON_INTERPRET
+
+LAT = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+IDX = torch.zeros(2, 16 * 132, dtype=torch.uint8)
+I32 = torch.int32
+
+BAD = [
+    ("q", TypeError, lambda: K.sparse_mla(torch.zeros(3, 4, 576, dtype=torch.float16), LAT,
+                                          torch.zeros(3, 8, dtype=I32), 0.1)),
+    ("q", ValueError, lambda: K.sparse_mla(torch.zeros(3, 4, 512, dtype=torch.bfloat16), LAT,
+                                           torch.zeros(3, 8, dtype=I32), 0.1)),
+    ("slots", ValueError, lambda: K.sparse_mla(torch.zeros(3, 4, 576, dtype=torch.bfloat16), LAT,
+                                               torch.zeros(2, 8, dtype=I32), 0.1)),
+    ("slots", TypeError, lambda: K.sparse_mla(torch.zeros(3, 4, 576, dtype=torch.bfloat16), LAT,
+                                              torch.zeros(3, 8, dtype=torch.int64), 0.1)),
+    ("latent_cache", ValueError, lambda: K.sparse_mla(torch.zeros(3, 4, 576, dtype=torch.bfloat16),
+                                                      torch.zeros(2, 16, 600, dtype=torch.bfloat16),
+                                                      torch.zeros(3, 8, dtype=I32), 0.1)),
+    ("seq_lens", ValueError, lambda: K.dense_mla_decode(torch.zeros(2, 1, 4, 576, dtype=torch.bfloat16), LAT,
+                                                        torch.zeros(2, 1, dtype=I32), torch.zeros(3, dtype=I32), 0.1)),
+    ("k", TypeError, lambda: K.indexer_key_write(IDX, torch.zeros(3, 128, dtype=torch.int32),
+                                                 torch.zeros(3, dtype=torch.long), 16, False)),
+    ("index_cache", ValueError, lambda: K.indexer_key_write(torch.zeros(2, 16 * 128, dtype=torch.uint8),
+                                                            torch.zeros(3, 128), torch.zeros(3, dtype=torch.long),
+                                                            16, False)),
+    ("slot_mapping", ValueError, lambda: K.indexer_key_write(IDX, torch.zeros(3, 128), torch.zeros(4, dtype=torch.long),
+                                                             16, False)),
+    ("w", ValueError, lambda: K.indexer_query_prep(torch.zeros(3, 4, 128), torch.zeros(3, 5), True)),
+    ("weights", ValueError, lambda: K.indexer_logits_paged(torch.zeros(2, 1, 4, 128, dtype=torch.float8_e4m3fn),
+                                                           torch.zeros(2, 1, 5), IDX, torch.zeros(2, 1, dtype=I32),
+                                                           torch.zeros(2, dtype=I32), 16)),
+    ("q8", TypeError, lambda: K.indexer_logits_paged(torch.zeros(2, 1, 4, 128), torch.zeros(2, 1, 4), IDX,
+                                                     torch.zeros(2, 1, dtype=I32), torch.zeros(2, dtype=I32), 16)),
+    ("block_table", ValueError, lambda: K.indexer_logits_paged(torch.zeros(2, 1, 4, 128, dtype=torch.float8_e4m3fn),
+                                                               torch.zeros(2, 1, 4), IDX, torch.zeros(3, 1, dtype=I32),
+                                                               torch.zeros(2, dtype=I32), 16)),
+    ("ends", ValueError, lambda: K.indexer_logits_ragged(torch.zeros(3, 4, 128, dtype=torch.float8_e4m3fn),
+                                                         torch.zeros(3, 4), torch.zeros(9, 128, dtype=torch.float8_e4m3fn),
+                                                         torch.zeros(9), torch.zeros(3, dtype=I32),
+                                                         torch.zeros(2, dtype=I32))),
+    ("k_scale", TypeError, lambda: K.indexer_logits_ragged(torch.zeros(3, 4, 128, dtype=torch.float8_e4m3fn),
+                                                           torch.zeros(3, 4), torch.zeros(9, 128, dtype=torch.float8_e4m3fn),
+                                                           None, torch.zeros(3, dtype=I32), torch.zeros(3, dtype=I32))),
+    ("lengths", ValueError, lambda: K.topk_indices(torch.zeros(3, 10), torch.zeros(2, dtype=I32), 4)),
+    ("logits", TypeError, lambda: K.topk_indices(torch.zeros(3, 10, dtype=torch.float64), torch.zeros(3, dtype=I32), 4)),
+    ("k", ValueError, lambda: K.topk_indices(torch.zeros(3, 10), torch.zeros(3, dtype=I32), 0)),
+    ("row_to_req", ValueError, lambda: K.topk_slots(torch.zeros(3, 10), torch.zeros(3, dtype=I32), 4,
+                                                    torch.zeros(2, 1, dtype=I32), torch.zeros(2, dtype=I32),
+                                                    torch.zeros(2, dtype=I32), 16)),
+    ("k_pe", ValueError, lambda: K.latent_write(LAT, torch.zeros(3, 512, dtype=torch.bfloat16),
+                                                torch.zeros(3, 32, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long))),
+    ("positions", TypeError, lambda: K.positions_to_slots(torch.zeros(3, 4), torch.zeros(2, 1, dtype=I32),
+                                                          torch.zeros(3, dtype=I32), torch.zeros(2, dtype=I32), 16)),
+    ("group", ValueError, lambda: K.quant_ue8m0(torch.zeros(3, 100))),
+    ("backend", ValueError, lambda: K.topk_indices(torch.zeros(3, 10), torch.zeros(3, dtype=I32), 4, backend="cuda")),
+]
+
+
+@pytest.mark.parametrize("arg,exc,call", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)])
+def test_bad_input_names_the_argument(arg, exc, call):
+    with pytest.raises(exc, match=rf"^{arg}\b"):
+        call()
+
+
+def test_mixed_devices_are_refused():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a second device")
+    with pytest.raises(ValueError, match="one device"):
+        K.sparse_mla(torch.zeros(3, 4, 576, dtype=torch.bfloat16, device="cuda"), LAT, torch.zeros(3, 8, dtype=I32), 0.1)
+
+
+@pytest.mark.parametrize("op", [lambda b: K.quant_ue8m0(torch.zeros(2, 128), backend=b),
+                                lambda b: K.hadamard(torch.zeros(2, 128), backend=b),
+                                lambda b: K.yarn_cos_sin(4, 8, 1e4, None, backend=b),
+                                lambda b: K.positions_to_slots(torch.zeros(1, 2, dtype=I32), torch.zeros(1, 1, dtype=I32),
+                                                               torch.zeros(1, dtype=I32), torch.ones(1, dtype=I32), 16,
+                                                               backend=b)],
+                         ids=["quant_ue8m0", "hadamard", "yarn_cos_sin", "positions_to_slots"])
+def test_torch_only_ops_refuse_triton(op):
+    with pytest.raises(ValueError, match="torch-only"):
+        op("triton")
+    op("torch")
+
+
+def test_float32_inputs_never_take_triton():
+    with pytest.raises(TypeError, match="backend='torch'"):
+        K.sparse_mla(torch.zeros(1, 2, 576), torch.zeros(1, 16, 576), torch.zeros(1, 16, dtype=I32), 0.1,
+                     backend="triton")
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    from dsa.kernels import common
+    monkeypatch.setattr(common, "TRITON_INTERPRET", False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        common.resolve_backend("triton", torch.device("cpu"), "op")
+    assert common.resolve_backend("auto", torch.device("cpu"), "op") == "torch"
+
+
+def test_block_size_not_multiple_of_16_is_refused_for_triton(monkeypatch):
+    from dsa.kernels import common
+    monkeypatch.setattr(common, "TRITON_INTERPRET", True)
+    with pytest.raises(ValueError, match="block_size"):
+        common.resolve_backend("triton", torch.device("cpu"), "op", block_size=24)
+
+
+# ops whose Triton kernels have not landed yet: "triton" says which issue brings them
+PENDING = {
+    "indexer_query_prep": (3, lambda: K.indexer_query_prep(torch.zeros(1, 4, 128, dtype=torch.bfloat16),
+                                                           torch.zeros(1, 4), True, backend="triton")),
+    "topk_indices": (4, lambda: K.topk_indices(torch.zeros(3, 10), torch.zeros(3, dtype=I32), 4, backend="triton")),
+    "sparse_mla": (5, lambda: K.sparse_mla(torch.zeros(1, 2, 576, dtype=torch.bfloat16), LAT,
+                                           torch.zeros(1, 16, dtype=I32), 0.1, backend="triton")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PENDING))
+def test_pending_kernels_name_their_issue(name, monkeypatch):
+    from dsa.kernels import common
+    monkeypatch.setattr(common, "TRITON_INTERPRET", True)
+    issue, call = PENDING[name]
+    with pytest.raises(NotImplementedError, match=f"issue #{issue}"):
+        call()
