@@ -20,6 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     p.add_argument("--results", default="benchmarks/results", help="render: folder of result JSON")
     p.add_argument("--readme", default=None, help="render: README to update between the perf markers")
+    p.add_argument("--git-sha", default=None, help="record this commit (default: `git rev-parse HEAD` here)")
     p.set_defaults(func=run)
 
 
@@ -32,6 +33,8 @@ def run(args) -> int:
         return render_command(args.results, args.readme)
     device = require_cuda(args.op)
     env = env_info()
+    if args.git_sha:
+        env["git_sha"] = args.git_sha
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  git {env['git_sha'][:12]}")
     ceilings = measure_ceilings(device)
     print("ceilings: copy {copy_tbps:.2f} TB/s, bf16 {bf16_tflops:.0f} TFLOP/s (p10 {bf16_tflops_p10:.0f}), "
