@@ -1,8 +1,10 @@
 """indexer_key_write: Hadamard (optional), ue8m0 FP8 quantization per token, planar store by slot."""
 import torch
+import triton
+import triton.language as tl
 
 from .common import FLOAT_DTYPES, INDEX_DTYPES, check_block_size, check_same_device, check_tensor, resolve_backend
-from .layouts import INDEXER_SCALE_BYTES, indexer_cache_views
+from .layouts import FP8_MAX, INDEXER_AMAX_FLOOR, INDEXER_SCALE_BYTES, indexer_cache_views
 from .quant import hadamard_reference, quant_ue8m0_reference
 
 
@@ -18,20 +20,91 @@ def indexer_key_write_reference(index_cache, k, slot_mapping, block_size, hadama
     scale_cache[block, offset] = scale[keep, 0]
 
 
+AMAX_FLOOR = tl.constexpr(INDEXER_AMAX_FLOOR)
+FP8_LIMIT = tl.constexpr(FP8_MAX)
+
+
+# Shared with indexer_query_prep: the reference's arithmetic (kernels/quant.py), in the same order.
+@triton.jit
+def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """Butterfly stages h = 1, 2, ..., D/2 of each row of ``x [ROWS, D]`` fp32: within each group of
+    2h, pairs (a, b) = (x[i], x[i + h]) -> (a + b, a - b), exactly as ``hadamard_reference``."""
+    for stage in tl.static_range(LOG2_D):
+        h: tl.constexpr = 1 << stage
+        y = tl.permute(tl.reshape(x, [ROWS, D // (2 * h), 2, h]), [0, 1, 3, 2])  # [ROWS, G, h, 2]
+        a, b = tl.split(y)  # [ROWS, G, h] each
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, D])
+    return x
+
+
+@triton.jit
+def ue8m0_quant_rows(x):
+    """``x [ROWS, D]`` fp32 -> (clamped values [ROWS, D] e4m3, scale [ROWS] fp32) per row, as
+    ``quant_ue8m0_reference``: r = max(amax, 1e-4) / 448 (IEEE division), scale = ue8m0(r) from the
+    bits, values clamp(x / scale, -448, 448) (x times the exact power-of-two reciprocal)."""
+    amax = tl.max(tl.abs(x), axis=1)  # [ROWS]
+    r = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), tl.full(amax.shape, FP8_LIMIT, tl.float32))
+    bits = r.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    scale = (exponent << 23).to(tl.float32, bitcast=True)
+    inv_scale = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # exactly 1 / scale
+    v = tl.minimum(tl.maximum(x * inv_scale[:, None], -FP8_LIMIT), FP8_LIMIT)
+    return v.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _indexer_key_write_kernel(k_ptr, stride_kt, slot_ptr, val_ptr, scale_ptr, num_tokens, stride_block,
+                              hadamard_scale, P: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr,
+                              BLOCK_T: tl.constexpr, HADAMARD: tl.constexpr):
+    # one program: BLOCK_T tokens; stride_block = bytes per cache block (a multiple of 4)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] int64
+    cols = tl.arange(0, D)
+    in_range = rows < num_tokens
+    slot = tl.load(slot_ptr + rows, mask=in_range, other=-1).to(tl.int64)  # [BLOCK_T]
+    x = tl.load(k_ptr + rows[:, None] * stride_kt + cols[None, :], mask=in_range[:, None], other=0.0)
+    x = x.to(tl.float32)  # [BLOCK_T, D]
+    if HADAMARD:
+        x = hadamard_rows(x, BLOCK_T, D, LOG2_D)
+        x = (x * hadamard_scale).to(tl.bfloat16).to(tl.float32)  # one multiply, rounded to k's dtype
+    k8, scale = ue8m0_quant_rows(x)
+    keep = in_range & (slot >= 0)
+    block = tl.where(keep, slot // P, 0)
+    offset = tl.where(keep, slot % P, 0)
+    base = block * stride_block  # [BLOCK_T] int64 byte offset of the token's block
+    tl.store(val_ptr + base[:, None] + offset[:, None] * D + cols[None, :], k8, mask=keep[:, None])
+    tl.store(scale_ptr + base // 4 + P * D // 4 + offset, scale, mask=keep)
+
+
+def _indexer_key_write_triton(index_cache, k, slot_mapping, block_size, hadamard):
+    t, di = k.shape
+    if t == 0:
+        return
+    k = k.contiguous()
+    slot_mapping = slot_mapping.contiguous()
+    block_t = 16
+    _indexer_key_write_kernel[(triton.cdiv(t, block_t),)](
+        k, k.stride(0), slot_mapping, index_cache.view(torch.float8_e4m3fn), index_cache.view(torch.float32), t,
+        index_cache.stride(0), di ** -0.5, P=block_size, D=di, LOG2_D=di.bit_length() - 1, BLOCK_T=block_t,
+        HADAMARD=bool(hadamard), num_warps=4)
+
+
 def indexer_key_write(index_cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
                       hadamard: bool, *, backend: str = "auto") -> None:
     """Quantize indexer keys and store them in the planar paged cache, in place.
 
     Args:
-        index_cache: ``uint8 [NB, P * (DI + 4)]``, planar per block (``dsa.kernels.layouts``).
-        k: ``[T, DI]`` bfloat16 (float32/float64 through the reference), after LayerNorm and RoPE.
+        index_cache: ``uint8 [NB, P * (DI + 4)]``, planar per block (``dsa.kernels.layouts``);
+            contiguous for the Triton kernel.
+        k: ``[T, DI]`` bfloat16 (float32/float64 through the reference), after LayerNorm and RoPE;
+            ``DI`` a power of two for the Triton kernel.
         slot_mapping: ``[T]`` int32/int64 slots ``block * P + offset``; ``-1`` (any negative) is skipped.
-        block_size: ``P``.
+        block_size: ``P`` (a multiple of 16 for the Triton kernel).
         hadamard: apply the ``DI``-point Hadamard transform (rounded to ``k``'s dtype) first.
 
     Each kept token gets ``DI`` e4m3 values ``clamp(k / s, -448, 448)`` at bytes
     ``[t * DI, (t + 1) * DI)`` of its block and ``s = ue8m0(max(amax, 1e-4) / 448)`` as fp32 at
-    ``P * DI + 4 * t``.
+    ``P * DI + 4 * t``. The Triton kernel (one launch, 16 tokens a program) writes the same bytes
+    as the reference.
     """
     check_tensor("k", k, dtype=FLOAT_DTYPES, shape=2)
     t, di = k.shape
@@ -39,7 +112,14 @@ def indexer_key_write(index_cache: torch.Tensor, k: torch.Tensor, slot_mapping: 
     check_tensor("index_cache", index_cache, dtype=torch.uint8, shape=(None, block_size * (di + INDEXER_SCALE_BYTES)))
     check_tensor("slot_mapping", slot_mapping, dtype=INDEX_DTYPES, shape=(t,))
     device = check_same_device(index_cache=index_cache, k=k, slot_mapping=slot_mapping)
-    impl = resolve_backend(backend, device, "indexer_key_write", kernel_ready=False, issue=3,
+    impl = resolve_backend(backend, device, "indexer_key_write", kernel_ready=True,
                            triton_dtypes_ok=k.dtype == torch.bfloat16, block_size=block_size)
     if impl == "torch":
         indexer_key_write_reference(index_cache, k, slot_mapping, block_size, hadamard)
+        return
+    if di < 2 or di & (di - 1):
+        raise ValueError(f"k: the Triton kernel takes a power-of-two DI, got shape {list(k.shape)}")
+    if not index_cache.is_contiguous():
+        raise ValueError("index_cache: the Triton kernel writes a contiguous cache in place; got strides "
+                         f"{index_cache.stride()}")
+    _indexer_key_write_triton(index_cache, k, slot_mapping, block_size, hadamard)

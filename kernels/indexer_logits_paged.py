@@ -1,5 +1,9 @@
 """indexer_logits_paged: decode-row indexer logits over the paged FP8 key cache."""
+import functools
+
 import torch
+import triton
+import triton.language as tl
 
 from .common import check_block_size, check_same_device, check_tensor, compute_dtype, resolve_backend
 from .layouts import INDEXER_SCALE_BYTES, indexer_cache_views
@@ -39,6 +43,99 @@ def indexer_logits_paged_reference(q8, weights, index_cache, block_table, seq_le
     return logits
 
 
+@triton.jit
+def _indexer_logits_paged_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr, stride_block,
+                                 stride_table, num_table_blocks, width, tiles_per_prog,
+                                 N: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                                 HI_PAD: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # program (b * groups + g, split): query tokens [g*G, g*G + G) of request b (all their heads: the
+    # dot's N dim) against key tiles [split * tiles_per_prog, ...) of BLOCK_S positions (its M dim).
+    # Each key record is read once per group (once per request when G == N). stride_block: bytes
+    # per cache block (a multiple of 4); the fp32 view of the cache indexes it in words.
+    GROUPS: tl.constexpr = (N + G - 1) // G
+    M: tl.constexpr = G_PAD * HI_PAD
+    pid = tl.program_id(0)
+    b = (pid // GROUPS).to(tl.int64)
+    g = pid % GROUPS
+    seq_len = tl.load(lens_ptr + b)
+    # queries: row m = (token jj, head h) of the group, zero-padded (weight 0) past G and HI
+    m = tl.arange(0, M)
+    jj, h = m // HI_PAD, m % HI_PAD
+    j = g * G + jj
+    q_ok = (jj < G) & (j < N) & (h < HI)
+    q_row = (b * N + j) * HI + h  # [M] int64
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + q_row[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0)  # [M, D] e4m3
+    w = tl.load(w_ptr + q_row, mask=q_ok, other=0.0)  # [M] fp32
+    q_t = tl.trans(q)  # [D, M], K-contiguous
+    # outputs: token jg of the group sees positions [0, seq_len - N + g*G + jg]
+    jg = tl.arange(0, G_PAD)
+    row_ok = (jg < G) & (g * G + jg < N)
+    last = seq_len - N + g * G + jg  # [G_PAD]
+    out_row = (b * N + g * G + jg) * width  # [G_PAD] int64
+    group_end = tl.minimum(seq_len - N + tl.minimum(g * G + G, N), num_table_blocks * P)  # past it: -inf
+    s_begin = tl.program_id(1) * tiles_per_prog * BLOCK_S
+    s_end = tl.minimum(s_begin + tiles_per_prog * BLOCK_S, width)
+    compute_end = tl.maximum(tl.minimum(group_end, s_end), s_begin)
+    compute_tiles = tl.cdiv(compute_end - s_begin, BLOCK_S)
+    for tile in range(0, compute_tiles):
+        pos = s_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        inside = pos < compute_end
+        block = tl.load(table_ptr + b * stride_table + pos // P, mask=inside, other=0).to(tl.int64)
+        offset = pos % P
+        k = tl.load(val_ptr + (block * stride_block + offset * D)[:, None] + d[None, :], mask=inside[:, None],
+                    other=0.0)  # [BLOCK_S, D] e4m3
+        k_scale = tl.load(scale_ptr + block * (stride_block // 4) + (P * D // 4) + offset, mask=inside, other=0.0)
+        score = tl.dot(k, q_t)  # [BLOCK_S, M] fp32
+        score = tl.maximum(score, 0.0) * w[None, :]
+        logit = tl.sum(tl.reshape(score, [BLOCK_S, G_PAD, HI_PAD]), axis=2) * k_scale[:, None]  # [BLOCK_S, G_PAD]
+        logit = tl.where(inside[:, None] & (pos[:, None] <= last[None, :]), logit, float("-inf"))
+        tl.store(out_ptr + out_row[None, :] + pos[:, None], logit, mask=row_ok[None, :] & (pos < s_end)[:, None])
+    minus_inf = tl.full([BLOCK_S, G_PAD], float("-inf"), tl.float32)
+    for tile in range(compute_tiles, tiles_per_prog):
+        pos = s_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)
+        tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=row_ok[None, :] & (pos < s_end)[:, None])
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _paged_config(n: int, hi: int) -> tuple[int, int, int, int, int]:
+    """(G, G_PAD, HI_PAD, BLOCK_S, num_warps): query tokens per program so that the dot's N dim
+    G_PAD * HI_PAD stays <= 256 (one wgmma), key tile BLOCK_S so that the fp32 score tile holds
+    <= 16K values (64 registers a thread)."""
+    hi_pad = max(16, triton.next_power_of_2(hi))
+    g = n if triton.next_power_of_2(n) * hi_pad <= 256 else max(1, 256 // hi_pad)
+    g_pad = triton.next_power_of_2(g)
+    m = g_pad * hi_pad
+    block_s = 128 if m <= 128 else 64
+    return g, g_pad, hi_pad, block_s, 4 if block_s * m <= 8192 else 8
+
+
+def _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens, block_size, max_seq_len):
+    b, n, hi, di = q8.shape
+    width = int(seq_lens.max()) if max_seq_len is None else max_seq_len  # None: a host sync
+    logits = torch.empty((b * n, width), dtype=torch.float32, device=q8.device)
+    if b == 0 or width == 0:
+        return logits
+    q8, weights = q8.contiguous(), weights.contiguous()
+    block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
+    g, g_pad, hi_pad, block_s, num_warps = _paged_config(n, hi)
+    programs = b * triton.cdiv(n, g)
+    tiles = triton.cdiv(width, block_s)
+    # enough programs to fill the GPU a few times over, at most 16 tiles each (fixed by shapes)
+    tiles_per_prog = max(1, min(16, tiles * programs // (4 * _num_sms(q8.device))))
+    grid = (programs, triton.cdiv(tiles, tiles_per_prog))
+    _indexer_logits_paged_kernel[grid](
+        q8, weights, index_cache.view(torch.float8_e4m3fn), index_cache.view(torch.float32), block_table, seq_lens,
+        logits, index_cache.stride(0), block_table.stride(0), block_table.shape[1], width, tiles_per_prog,
+        N=n, HI=hi, G=g, G_PAD=g_pad, HI_PAD=hi_pad, P=block_size, D=di, BLOCK_S=block_s,
+        num_warps=num_warps, num_stages=3)
+    return logits
+
+
 def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                          block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                          max_seq_len: int | None = None, *, backend: str = "auto") -> torch.Tensor:
@@ -59,6 +156,11 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
         ``logits [B * N, W]`` float32: row ``b * N + j`` holds
         ``sum_h weights[h] * relu(q8[h] . k8[s]) * k_scale[s]`` on ``[0, seq_lens[b] - N + j]``
         and ``-inf`` elsewhere (also past the block table).
+
+    The Triton kernel (CUDA, FP8 cache; ``1 <= HI <= 128``, ``DI`` in 32..256, ``P`` a multiple
+    of 16, a contiguous cache) reads each key record once per request and scores it against all
+    ``N * HI`` query rows with one FP8 ``tl.dot``; with ``max_seq_len`` given it never syncs the
+    host (CUDA graphs). Logits match the reference to fp32 summation order.
     """
     check_tensor("q8", q8, shape=4)
     b, n, hi, di = q8.shape
@@ -78,8 +180,14 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
         raise ValueError(f"max_seq_len: expected None or a non-negative int, got {max_seq_len!r}")
     device = check_same_device(q8=q8, weights=weights, index_cache=index_cache, block_table=block_table,
                                seq_lens=seq_lens)
-    impl = resolve_backend(backend, device, "indexer_logits_paged", kernel_ready=False, issue=3,
+    impl = resolve_backend(backend, device, "indexer_logits_paged", kernel_ready=True,
                            triton_dtypes_ok=not exact, block_size=block_size)
     if impl == "torch":
         return indexer_logits_paged_reference(q8, weights, index_cache, block_table, seq_lens, block_size,
                                               max_seq_len)
+    if not 1 <= hi <= 128 or di not in (32, 64, 128, 256):
+        raise ValueError(f"q8: the Triton kernel takes 1 <= HI <= 128 and DI in 32, 64, 128, 256; got shape "
+                         f"{list(q8.shape)}")
+    if not index_cache.is_contiguous():
+        raise ValueError(f"index_cache: the Triton kernel reads a contiguous cache; got strides {index_cache.stride()}")
+    return _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens, block_size, max_seq_len)

@@ -1,5 +1,9 @@
 """indexer_logits_ragged: prefill-row indexer logits against contiguous keys, per-row [start, end)."""
+import functools
+
 import torch
+import triton
+import triton.language as tl
 
 from .common import check_same_device, check_tensor, compute_dtype, resolve_backend
 
@@ -22,6 +26,82 @@ def indexer_logits_ragged_reference(q8, weights, k8, k_scale, starts, ends):
     return logits
 
 
+@triton.jit
+def _indexer_logits_ragged_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, starts_ptr, ends_ptr, out_ptr, num_tokens,
+                                  num_keys, tiles_per_prog, HI: tl.constexpr, HI_PAD: tl.constexpr,
+                                  BLOCK_T: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # program (t tile, split): BLOCK_T query tokens (all their heads: the dot's N dim) against key
+    # tiles [split * tiles_per_prog, ...) of BLOCK_S keys (its M dim); tiles outside every row's
+    # [start, end) are written as -inf without being scored.
+    M: tl.constexpr = BLOCK_T * HI_PAD
+    t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
+    m = tl.arange(0, M)
+    tq, h = t0 + m // HI_PAD, m % HI_PAD
+    q_ok = (tq < num_tokens) & (h < HI)
+    q_row = tq * HI + h  # [M] int64
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + q_row[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0)  # [M, D] e4m3
+    w = tl.load(w_ptr + q_row, mask=q_ok, other=0.0)  # [M] fp32
+    q_t = tl.trans(q)  # [D, M], K-contiguous
+    t = t0 + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    t_ok = t < num_tokens
+    start = tl.load(starts_ptr + t, mask=t_ok, other=num_keys)
+    end = tl.load(ends_ptr + t, mask=t_ok, other=0)
+    lo = tl.maximum(tl.min(start, axis=0), 0)
+    hi = tl.minimum(tl.max(end, axis=0), num_keys)
+    out_row = t * num_keys  # [BLOCK_T] int64
+    s_begin = tl.program_id(1) * tiles_per_prog * BLOCK_S
+    s_end = tl.minimum(s_begin + tiles_per_prog * BLOCK_S, num_keys)
+    c_begin = tl.minimum(tl.maximum(s_begin, lo // BLOCK_S * BLOCK_S), s_end)  # tile-aligned
+    c_tiles = tl.cdiv(tl.maximum(tl.minimum(s_end, hi), c_begin) - c_begin, BLOCK_S)
+    minus_inf = tl.full([BLOCK_S, BLOCK_T], float("-inf"), tl.float32)
+    for tile in range(0, (c_begin - s_begin) // BLOCK_S):
+        pos = s_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)
+        tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=t_ok[None, :] & (pos < s_end)[:, None])
+    for tile in range(0, c_tiles):
+        pos = c_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        key_ok = pos < num_keys
+        k = tl.load(k_ptr + pos[:, None].to(tl.int64) * D + d[None, :], mask=key_ok[:, None], other=0.0)
+        k_scale = tl.load(ks_ptr + pos, mask=key_ok, other=0.0)  # [BLOCK_S] fp32
+        score = tl.dot(k, q_t)  # [BLOCK_S, M] fp32
+        score = tl.maximum(score, 0.0) * w[None, :]
+        logit = tl.sum(tl.reshape(score, [BLOCK_S, BLOCK_T, HI_PAD]), axis=2) * k_scale[:, None]  # [BLOCK_S, BLOCK_T]
+        inside = (pos[:, None] >= start[None, :]) & (pos[:, None] < end[None, :])
+        logit = tl.where(inside, logit, float("-inf"))
+        tl.store(out_ptr + out_row[None, :] + pos[:, None], logit, mask=t_ok[None, :] & (pos < s_end)[:, None])
+    for tile in range((c_begin - s_begin) // BLOCK_S + c_tiles, tiles_per_prog):
+        pos = s_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)
+        tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=t_ok[None, :] & (pos < s_end)[:, None])
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends):
+    t, hi, di = q8.shape
+    s = k8.shape[0]
+    logits = torch.empty((t, s), dtype=torch.float32, device=q8.device)
+    if t == 0 or s == 0:
+        return logits
+    q8, weights, k8, k_scale = q8.contiguous(), weights.contiguous(), k8.contiguous(), k_scale.contiguous()
+    starts, ends = starts.contiguous(), ends.contiguous()
+    # the dot's N dim BLOCK_T * HI_PAD = 256 (one wgmma; q reuse halves L2 reads per FLOP), 64 keys
+    # a tile so that the fp32 score tile is 128 registers a thread with 4 warps (two CTAs an SM)
+    hi_pad = max(16, triton.next_power_of_2(hi))
+    block_t = max(1, 256 // hi_pad)
+    block_s = 64
+    t_tiles, s_tiles = triton.cdiv(t, block_t), triton.cdiv(s, block_s)
+    splits = max(1, min(s_tiles, triton.cdiv(2 * _num_sms(q8.device), t_tiles)))
+    tiles_per_prog = triton.cdiv(s_tiles, splits)
+    grid = (t_tiles, triton.cdiv(s_tiles, tiles_per_prog))
+    _indexer_logits_ragged_kernel[grid](
+        q8, weights, k8, k_scale, starts, ends, logits, t, s, tiles_per_prog,
+        HI=hi, HI_PAD=hi_pad, BLOCK_T=block_t, D=di, BLOCK_S=block_s, num_warps=4, num_stages=3)
+    return logits
+
+
 def indexer_logits_ragged(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor | None,
                           starts: torch.Tensor, ends: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """Indexer logits of prefill rows against ``S`` contiguous keys.
@@ -36,6 +116,10 @@ def indexer_logits_ragged(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Ten
     Returns:
         ``logits [T, S]`` float32, ``sum_h weights[t, h] * relu(q8[t, h] . k8[s]) * k_scale[s]``
         inside each row's range and ``-inf`` outside. The caller bounds ``T * S`` by chunking.
+
+    The Triton kernel (CUDA, FP8 keys; ``1 <= HI <= 128``, ``DI`` in 32..256) tiles ``T`` by
+    ``256 / HI`` tokens and ``S`` by 64 keys, scores each tile with one FP8 ``tl.dot`` and skips
+    tiles outside every row's range. Logits match the reference to fp32 summation order.
     """
     check_tensor("q8", q8, shape=3)
     t, hi, di = q8.shape
@@ -53,7 +137,11 @@ def indexer_logits_ragged(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Ten
     check_tensor("starts", starts, dtype=torch.int32, shape=(t,))
     check_tensor("ends", ends, dtype=torch.int32, shape=(t,))
     device = check_same_device(q8=q8, weights=weights, k8=k8, k_scale=k_scale, starts=starts, ends=ends)
-    impl = resolve_backend(backend, device, "indexer_logits_ragged", kernel_ready=False, issue=3,
+    impl = resolve_backend(backend, device, "indexer_logits_ragged", kernel_ready=True,
                            triton_dtypes_ok=not exact)
     if impl == "torch":
         return indexer_logits_ragged_reference(q8, weights, k8, k_scale, starts, ends)
+    if not 1 <= hi <= 128 or di not in (32, 64, 128, 256):
+        raise ValueError(f"q8: the Triton kernel takes 1 <= HI <= 128 and DI in 32, 64, 128, 256; got shape "
+                         f"{list(q8.shape)}")
+    return _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends)

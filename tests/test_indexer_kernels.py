@@ -1,0 +1,201 @@
+"""Indexer Triton kernels under the CPU interpreter (small odd shapes) against the torch references.
+
+Key write and query prep: written bytes equal the reference exactly. Paged and ragged logits:
+``calc_diff < 1e-6`` over finite entries and identical ``-inf`` masks; outputs are NaN-poisoned
+before the kernels write them. The GPU twin of this file is ``test_indexer_kernels_gpu.py``.
+"""
+import numpy as np
+import pytest
+import torch
+
+from dsa import kernels as K
+from dsa.kernels.common import TRITON_INTERPRET
+from dsa.testing import calc_diff, random_block_tables
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not TRITON_INTERPRET, reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _torch_cast(src, dst_type):
+    """A float<->float conversion of an interpreter tensor through torch (round to nearest even), or None."""
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+    types = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+             tl.float64: torch.float64, tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+    bits = {torch.bfloat16: (torch.int16, np.int16), torch.float8_e4m3fn: (torch.uint8, np.uint8),
+            torch.float8_e5m2: (torch.uint8, np.uint8)}
+    s, d = types.get(src.dtype.scalar), types.get(dst_type.scalar)
+    if s is None or d is None or s == d:
+        return None
+    data = np.ascontiguousarray(src.data)
+    x = torch.from_numpy(data.view(bits[s][1]) if s in bits else data).view(s).to(d)
+    out = x.view(bits[d][0]).numpy() if d in bits else x.numpy()
+    if d == torch.bfloat16:
+        out = out.view(np.uint16)  # the interpreter's bf16 storage
+    return interp.TensorHandle(out.reshape(data.shape), dst_type.scalar)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def exact_interpreter_casts():
+    """conftest's interpreter fix writes ``convert(...) or fallback``; the interpreter's
+    ``TensorHandle.__bool__`` is ``data.all()``, so any result holding a zero falls back to the
+    interpreter's own (wrong) fp32->e4m3/bf16 rounding. Route every float conversion through torch
+    for this module's kernels."""
+    if DEVICE == "cuda":
+        yield
+        return
+    from triton.runtime import interpreter as interp
+    builder = interp.InterpreterBuilder
+    names = ("cast_impl", "create_fp_to_fp", "create_fp_ext", "create_fp_trunc")
+    saved = {name: getattr(builder, name) for name in names}
+
+    def wrap(inner):
+        def cast(self, src, dst_type, *rest):
+            out = _torch_cast(src, dst_type)
+            return inner(self, src, dst_type, *rest) if out is None else out
+        return cast
+
+    for name in names:
+        setattr(builder, name, wrap(saved[name]))
+    yield
+    for name, fn in saved.items():
+        setattr(builder, name, fn)
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Float tensors from torch.empty come back NaN-filled, so elements a kernel leaves unwritten fail."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() and out.element_size() >= 2 else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _keys(t, di, gen, scale=4.0):
+    k = torch.randn(t, di, generator=gen) * torch.rand(t, 1, generator=gen) * scale
+    k[0] = 0.0  # amax below the 1e-4 floor
+    k[1, :7] = -0.0
+    k[2] *= 1e4  # past the e4m3 range before scaling
+    k[3, 5] = 448.0 * 2.0 ** -7  # right at a power-of-two ratio
+    return k.to(torch.bfloat16).to(DEVICE)
+
+
+@pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_key_write_bytes_equal_reference(hadamard, slot_dtype):
+    gen = torch.Generator().manual_seed(3)
+    t, p, nb = 37, 16, 5
+    k = _keys(t, 128, gen)
+    slots = torch.randperm(nb * p, generator=gen)[:t]
+    slots[[4, 9, 30]] = -1
+    slots[11] = -7  # any negative is skipped
+    slots = slots.to(slot_dtype).to(DEVICE)
+    cache = torch.randint(0, 256, (nb, p * 132), dtype=torch.uint8, generator=gen).to(DEVICE)
+    expect = cache.clone()
+    K.indexer_key_write(cache, k, slots, p, hadamard, backend="triton")
+    K.indexer_key_write(expect, k, slots, p, hadamard, backend="torch")
+    assert torch.equal(cache, expect)
+
+
+def test_key_write_refuses_a_strided_cache():
+    cache = torch.zeros(4, 2 * 16 * 132, dtype=torch.uint8, device=DEVICE)[:, : 16 * 132]
+    with pytest.raises(ValueError, match="^index_cache"):
+        K.indexer_key_write(cache, torch.zeros(3, 128, dtype=torch.bfloat16, device=DEVICE),
+                            torch.zeros(3, dtype=torch.long, device=DEVICE), 16, False, backend="triton")
+
+
+@pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
+def test_query_prep_bytes_equal_reference(hadamard, nan_outputs):
+    gen = torch.Generator().manual_seed(5)
+    t, hi = 7, 5
+    q = _keys(t * hi, 128, gen).view(t, hi, 128)
+    w = torch.randn(t, hi, generator=gen).to(DEVICE)
+    q8, weights = K.indexer_query_prep(q, w, hadamard, backend="triton")
+    ref_q8, ref_w = K.indexer_query_prep(q, w, hadamard, backend="torch")
+    assert torch.equal(q8.view(torch.uint8), ref_q8.view(torch.uint8))
+    assert torch.equal(weights, ref_w)
+
+
+def _random_cache(num_blocks, p, gen):
+    cache = torch.empty(num_blocks, p * 132, dtype=torch.uint8)
+    cache[:, : p * 128] = torch.randn(num_blocks, p * 128, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
+    cache[:, p * 128:].view(torch.float32).copy_(torch.rand(num_blocks, p, generator=gen) + 0.5)
+    return cache
+
+
+def assert_logits_match(out, ref):
+    """Identical -inf masks, no NaN, calc_diff < 1e-6 over the finite entries."""
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(out), finite)
+    assert torch.equal(out[~finite], ref[~finite])  # -inf where the reference has -inf, no NaN
+    if finite.any():
+        assert calc_diff(out[finite], ref[finite]) < 1e-6
+
+
+PAGED = [  # (seq_lens, N, HI, block table width or None, max_seq_len)
+    ([37, 50, 1], 1, 5, None, None),
+    ([40, 33], 3, 7, None, 70),  # width past every row
+    ([100, 17], 2, 64, None, 90),  # width cuts a row
+    ([70, 20], 2, 3, 3, None),  # positions past the block table are -inf
+    ([9, 2], 4, 1, None, 33),  # S < N: an all -inf row; HI = 1
+]
+
+
+@pytest.mark.parametrize("lens,n,hi,table_width,max_seq_len", PAGED,
+                         ids=[f"S{'-'.join(map(str, c[0]))}-N{c[1]}-HI{c[2]}-MB{c[3]}-W{c[4]}" for c in PAGED])
+def test_paged_logits_match_reference(lens, n, hi, table_width, max_seq_len, nan_outputs):
+    gen = torch.Generator().manual_seed(7)
+    p = 16
+    table, nb = random_block_tables(lens, p, generator=gen, extra_blocks=3)
+    if table_width is not None:
+        table = table[:, :table_width].contiguous()
+    cache = _random_cache(nb, p, gen).to(DEVICE)
+    q8 = torch.randn(len(lens), n, hi, 128, generator=gen).to(torch.float8_e4m3fn).to(DEVICE)
+    w = torch.randn(len(lens), n, hi, generator=gen).to(DEVICE)
+    args = (q8, w, cache, table.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE), p, max_seq_len)
+    assert_logits_match(K.indexer_logits_paged(*args, backend="triton"), K.indexer_logits_paged(*args, backend="torch"))
+
+
+RAGGED = [  # (T, HI, S, ranges)
+    (37, 5, 300, "causal"),
+    (37, 7, 301, "random"),
+    (3, 64, 200, "random"),
+    (9, 2, 150, "empty"),
+]
+
+
+@pytest.mark.parametrize("t,hi,s,ranges", RAGGED, ids=[f"T{c[0]}-HI{c[1]}-S{c[2]}-{c[3]}" for c in RAGGED])
+def test_ragged_logits_match_reference(t, hi, s, ranges, nan_outputs):
+    gen = torch.Generator().manual_seed(11)
+    q8 = torch.randn(t, hi, 128, generator=gen).to(torch.float8_e4m3fn)
+    w = torch.randn(t, hi, generator=gen)
+    k8 = torch.randn(s, 128, generator=gen).to(torch.float8_e4m3fn)
+    k_scale = torch.rand(s, generator=gen) + 0.5
+    if ranges == "causal":  # a chunk of t queries on top of a prefix
+        ends = torch.arange(s - t + 1, s + 1, dtype=torch.int32)
+        starts = torch.zeros(t, dtype=torch.int32)
+    else:
+        starts = torch.randint(0, s, (t,), generator=gen, dtype=torch.int32)
+        ends = (starts + torch.randint(0, s // 2, (t,), generator=gen, dtype=torch.int32)).clamp(max=s)
+        if ranges == "empty":
+            ends[::2] = starts[::2]
+    args = [x.to(DEVICE) for x in (q8, w, k8, k_scale, starts, ends)]
+    assert_logits_match(K.indexer_logits_ragged(*args, backend="triton"), K.indexer_logits_ragged(*args, backend="torch"))
+
+
+def test_logits_kernels_refuse_more_than_128_heads():
+    q8 = torch.zeros(1, 1, 129, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
+    cache = torch.zeros(1, 16 * 132, dtype=torch.uint8, device=DEVICE)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="^q8"):
+        K.indexer_logits_paged(q8, torch.zeros(1, 1, 129, device=DEVICE), cache, torch.zeros(1, 1, **i32),
+                               torch.ones(1, **i32), 16, backend="triton")
+    with pytest.raises(ValueError, match="^q8"):
+        K.indexer_logits_ragged(q8[0], torch.zeros(1, 129, device=DEVICE),
+                                torch.zeros(4, 128, dtype=torch.float8_e4m3fn, device=DEVICE),
+                                torch.ones(4, device=DEVICE), torch.zeros(1, **i32), torch.ones(1, **i32),
+                                backend="triton")
