@@ -12,6 +12,11 @@ _EXPORTS = {
     "bytes_per_token": "dsa.config",
     "softmax_scale": "dsa.config",
     "absorb_kv_b": "dsa.absorb",
+    "LightningIndexer": "dsa.indexer",
+    "DSAAttention": "dsa.attention",
+    "BatchPlan": "dsa.plan",
+    "DSAModel": "dsa.model",
+    "Engine": "dsa.engine",
 }
 
 __all__ = sorted(_EXPORTS)

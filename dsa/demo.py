@@ -1,0 +1,112 @@
+"""``python -m dsa demo``: generate on an embedded default model and report speed and cache bytes.
+
+CPU default: 2 layers with the V3.2 latent (512 + 64) and indexer (64 heads x 128) shapes, hidden
+1024, 16 heads, dense MLP, ``index_topk=512`` and a 4K context, so sparse attention really runs.
+GPU default: 4 layers with full V3.2 attention shapes (hidden 7168, 128 heads, 64 indexer heads,
+``index_topk=2048``), 32K context. Random weights (seed 0): the tokens are not language.
+"""
+import json
+import time
+
+import torch
+from tqdm import tqdm
+
+from .config import DSAConfig, bytes_per_token, indexer_layers, latent_format
+
+CPU_DEFAULT = dict(num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, q_lora_rank=512,
+                   intermediate_size=2048, n_routed_experts=None, vocab_size=8192, index_topk=512,
+                   max_position_embeddings=16384, block_size=64)
+GPU_DEFAULT = dict(num_hidden_layers=4, n_routed_experts=None, vocab_size=32768, index_topk=2048,
+                   max_position_embeddings=163840, block_size=64)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="generate on an embedded default model (or --checkpoint) and report speed")
+    p.add_argument("--checkpoint", help="a HF checkpoint folder (deepseek_v32, glm_moe_dsa, deepseek_v3)")
+    p.add_argument("--context", type=int, help="prompt tokens (default: 4096 on CPU, 32768 on a GPU)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=1, help="requests generated together (default: %(default)s)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    p.set_defaults(func=run)
+
+
+def build_model(args, device: torch.device):
+    from .model import DSAModel
+    if args.checkpoint:
+        return DSAModel.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device=device)
+    if device.type == "cuda":
+        return DSAModel.random(DSAConfig.deepseek_v32(**GPU_DEFAULT), seed=0, dtype=torch.bfloat16, device=device)
+    return DSAModel.random(DSAConfig.deepseek_v32(**CPU_DEFAULT), seed=0, dtype=torch.float32, device=device)
+
+
+def run(args) -> int:
+    from .engine import Engine
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("dsa demo: --device cuda asked for, but no CUDA GPU is visible")
+    context = args.context or (32768 if device.type == "cuda" else 4096)
+    if context < 1 or args.new_tokens < 1 or args.batch < 1:
+        raise SystemExit("dsa demo: --context, --new-tokens and --batch must be positive")
+    t0 = time.perf_counter()
+    model = build_model(args, device)
+    cfg = model.config
+    load_s = time.perf_counter() - t0
+    per_request = -(-(context + args.new_tokens) // cfg.block_size)
+    engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=8192)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist() for _ in range(args.batch)]
+    for p in prompts:
+        engine.add_request(p, args.new_tokens)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    bar = tqdm(total=args.batch * (context + args.new_tokens - 1), unit="tok", desc="demo")
+    prefill_s = decode_s = 0.0
+    decode_tokens = 0
+    while engine.has_work():
+        tokens, chunks = engine.stats["tokens"], engine.stats["prefill_chunks"]
+        sync()
+        t = time.perf_counter()
+        produced = engine.step()
+        sync()
+        dt = time.perf_counter() - t
+        if engine.stats["prefill_chunks"] > chunks:
+            prefill_s += dt
+        else:
+            decode_s += dt
+            decode_tokens += sum(len(v) for v in produced.values())
+        bar.update(engine.stats["tokens"] - tokens)
+    bar.close()
+    prefill_tokens = args.batch * context
+    dsa_bytes = bytes_per_token(cfg, model.dtype)
+    dense_bytes = bytes_per_token(cfg.replace(index_topk=None), model.dtype)
+    result = {
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "model": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
+                  "index_heads": cfg.index_n_heads, "index_topk": cfg.index_topk, "dtype": str(model.dtype),
+                  "latent_cache": latent_format(cfg, model.dtype), "checkpoint": args.checkpoint},
+        "batch": args.batch, "context": context, "new_tokens": args.new_tokens, "load_s": load_s,
+        "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
+        "cache_bytes_per_token_dsa": dsa_bytes, "cache_bytes_per_token_dense_mla": dense_bytes,
+        "indexer_layers": len(indexer_layers(cfg)), "layers": cfg.num_hidden_layers,
+        "rows": engine.stats["rows"], "prefill_chunks": engine.stats["prefill_chunks"],
+    }
+    print(f"device {result['device']}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}, {model.dtype}")
+    print(f"prefill: {prefill_tokens} tokens in {prefill_s:.2f} s = {result['prefill_tokens_per_s']:.0f} tokens/s")
+    if decode_s:
+        print(f"decode:  {decode_tokens} tokens in {decode_s:.2f} s = {result['decode_tokens_per_s']:.1f} tokens/s")
+    print(f"cache bytes per token: {dsa_bytes} with DSA vs {dense_bytes} for dense MLA "
+          f"(+{100 * (dsa_bytes - dense_bytes) / dense_bytes:.1f}% for the indexer keys)")
+    print(f"layers running the indexer: {result['indexer_layers']} of {cfg.num_hidden_layers}")
+    print("rows served: " + ", ".join(f"{k} {v}" for k, v in engine.stats["rows"].items() if v))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0

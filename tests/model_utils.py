@@ -1,0 +1,14 @@
+"""Tiny models shared by the model, loading and engine tests."""
+import torch
+
+from dsa import DSAConfig, DSAModel
+
+
+def tiny_model(seed: int = 0, dtype=torch.float32, **overrides) -> DSAModel:
+    """4 layers (FSFS: layers 1 and 3 reuse a selection), 4 heads, index_topk 16, P 16, MoE from layer 1."""
+    base = dict(index_topk=16, index_topk_pattern="FSFS", indexer_precision="exact")
+    return DSAModel.random(DSAConfig.tiny(**{**base, **overrides}), seed=seed, dtype=dtype, device="cpu")
+
+
+def prompt(n: int, seed: int, vocab: int = 512) -> list:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -1,0 +1,123 @@
+"""The engine: paths that ran, chunked prefill, batching invariance, greedy = full forward, isolation."""
+import dataclasses
+
+import pytest
+import torch
+
+import dsa.attention
+from dsa import Engine
+from tests.model_utils import prompt, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def test_paths_and_chunks(model):
+    engine = Engine(model, num_blocks=32, max_batch_tokens=16)
+    out = engine.generate([prompt(40, 1), prompt(5, 2)], 4)
+    assert [len(o) for o in out] == [4, 4]
+    rows = engine.stats["rows"]
+    # prompt 1: 40 tokens in chunks of <= 16 (the 5-token prompt shares the first step's budget)
+    assert engine.stats["prefill_chunks"] >= 4
+    assert rows["sparse_prefill"] == 40 - 16  # positions 16.. have ranges longer than index_topk
+    assert rows["dense_prefill_mha"] + rows["dense_prefill_absorbed"] == 16 + 5
+    assert rows["sparse_decode"] == 3  # prompt 1's decode rows
+    assert rows["dense_decode"] == 3  # prompt 2's decode rows (S <= 16)
+    assert engine.stats["blocks_in_use"] == 0 and engine.allocator.num_free == 32
+
+
+def test_skip_layers_attend_with_the_reused_selection(model, monkeypatch):
+    calls = []
+    real = dsa.attention.sparse_mla
+
+    def spy(q, latent, slots, scale, **kw):
+        calls.append(slots.clone())
+        return real(q, latent, slots, scale, **kw)
+
+    monkeypatch.setattr(dsa.attention, "sparse_mla", spy)
+    model(torch.tensor([prompt(30, 3)]))
+    assert len(calls) == 4  # every layer attends sparsely, skip layers too
+    assert torch.equal(calls[1], calls[0]) and torch.equal(calls[3], calls[2])  # FSFS
+    assert not torch.equal(calls[2], calls[0])  # layer 2 ran its own indexer
+
+
+def test_forced_small_workspace_switches_to_absorbed(model):
+    ids = torch.tensor([prompt(16, 4)])
+    mha = model(ids)
+    saved = model.dispatch
+    model.dispatch = dataclasses.replace(saved, mha_workspace_bytes=1)
+    try:
+        engine = Engine(model, num_blocks=8)
+        engine.generate([ids[0].tolist()], 1)
+        assert engine.stats["rows"]["dense_prefill_mha"] == 0 and engine.stats["rows"]["dense_prefill_absorbed"] == 16
+        absorbed = model(ids)
+    finally:
+        model.dispatch = saved
+    engine = Engine(model, num_blocks=8)
+    engine.generate([ids[0].tolist()], 1)
+    assert engine.stats["rows"]["dense_prefill_mha"] == 16 and engine.stats["peak_workspace_bytes"] > 0
+    assert torch.allclose(mha, absorbed, atol=1e-4, rtol=1e-4)  # the same function
+
+
+def test_batch_equals_alone(model):
+    prompts = [prompt(37, 5), prompt(9, 6), prompt(20, 7)]
+    together = Engine(model, num_blocks=64, max_batch_tokens=24).generate(prompts, 5)
+    alone = [Engine(model, num_blocks=64, max_batch_tokens=24).generate([p], 5)[0] for p in prompts]
+    assert together == alone
+
+
+def test_greedy_decode_matches_full_forward(model):
+    p = prompt(25, 8)
+    out = Engine(model, num_blocks=16).generate([p], 8)[0]
+    logits = model(torch.tensor([p + out]))[0, len(p) - 1:-1]  # [8, vocab]
+    top2 = logits.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-4  # skip near-ties
+    assert clear.sum() >= 6
+    assert torch.equal(logits.argmax(-1)[clear], torch.tensor(out)[clear])
+
+
+def test_nan_poisoned_blocks_never_change_tokens(model):
+    p = prompt(33, 9)
+    clean = Engine(model, num_blocks=12).generate([p], 4)[0]
+    engine = Engine(model, num_blocks=12)
+    for latent, index in engine.caches:  # every byte NaN before the request writes its own rows
+        latent.data.view(torch.uint8).fill_(0xFF)
+        if index is not None:
+            index.data.view(torch.uint8).fill_(0xFF)
+    assert engine.generate([p], 4)[0] == clean
+
+
+def test_never_fits_is_refused_and_engine_keeps_working(model):
+    engine = Engine(model, num_blocks=4)  # 64 tokens
+    with pytest.raises(ValueError, match="blocks"):
+        engine.add_request(prompt(60, 10), 10)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.add_request(prompt(10, 10), model.config.max_position_embeddings)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.add_request([], 3)
+    assert len(engine.generate([prompt(20, 11)], 3)[0]) == 3
+
+
+def test_full_pool_makes_requests_wait(model):
+    a, b = prompt(30, 12), prompt(25, 13)
+    engine = Engine(model, num_blocks=3)  # 48 tokens: one request at a time
+    ra, rb = engine.add_request(a, 4), engine.add_request(b, 4)
+    outs = {ra: [], rb: []}
+    for rid, toks in engine.step().items():
+        outs[rid] += toks
+    assert [r.rid for r in engine.waiting] == [rb] and ra in engine.running
+    while engine.has_work():
+        for rid, toks in engine.step().items():
+            outs[rid] += toks
+    alone = Engine(model, num_blocks=3).generate([b], 4)[0]
+    assert outs[rb] == alone and len(outs[ra]) == 4
+
+
+def test_engine_arguments():
+    m = tiny_model()
+    with pytest.raises(ValueError, match="exactly one"):
+        Engine(m)
+    e = Engine(m, memory_bytes=10 << 20)
+    assert e.capacity_tokens == e.num_blocks * 16 > 0
