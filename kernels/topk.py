@@ -1,5 +1,7 @@
 """topk_indices and topk_slots: the best ``k`` columns of each row, as positions or as cache slots."""
 import torch
+import triton
+import triton.language as tl
 
 from .common import check_block_size, check_same_device, check_tensor, resolve_backend
 from .slots import positions_to_slots_reference
@@ -27,6 +29,232 @@ def topk_indices_reference(logits, lengths, k, starts=None):
     short = (length <= k)[:, None]
     positions = torch.where(short, slot[None, :].expand(r, k), best)  # dense rows: 0, 1, ..., length-1
     return torch.where(slot[None, :] < length[:, None], positions, -1).to(torch.int32)
+
+
+# ---------------------------------------------------------------- Triton: exact radix select
+#
+# Keys: fp32 bits mapped to int32 whose bits, read as unsigned, order like ``_order_key`` (NaN by
+# its bits). The k-th largest key T of a row is found one 8-bit digit at a time (4 digits); each row
+# is split into C chunks of CHUNK columns, one program per (row, chunk), one launch per pass:
+#
+#   pass 0  histogram of digit 0 over the chunk
+#   pass 1  histogram of digit 1 over the chunk's columns whose digit 0 is the row's threshold digit
+#   pass 2  columns above the 16-bit threshold prefix go straight to the output; columns equal to
+#           it are compacted (stable) into the chunk's own span of the candidate list; histogram of
+#           digit 2 over them
+#   pass 3  histogram of digit 3 over the chunk's candidates whose digit 2 is the threshold digit
+#   pass 4  candidates above T go to the output, then the first (by column) of those equal to T
+#
+# Every program writes its chunk's suffix counts (``suf[r, pass, c, d]``: columns with digit >= d)
+# and adds its histogram into the row's total (``hist[r, pass, :]``, atomics on zeroed int32).
+# A later pass derives the threshold digits from the totals and its output offsets from the suffix
+# counts of the earlier chunks, so the output is deterministic (no atomic offsets) and every column
+# equal to T has a place: no bounded buffer, nothing dropped. A chunk's candidate span has room for
+# the whole chunk. Rows with length <= k are written densely by pass 0 and skipped by the others.
+
+_BLOCK = 2048  # columns per loop step: 8 warps x 32 threads x 8 fp32 (two 16-byte loads each)
+_NUM_WARPS = 8
+_PROGRAMS = 512  # programs per pass the row split aims at: ~4 per H200 SM, enough bytes in flight
+_CHUNK_STEP = 64  # earlier chunks summed per step
+
+
+@triton.jit
+def _radix_key(x):
+    """fp32 -> int32 whose bits, as unsigned, order like the floats (``_order_key`` with the sign flipped)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits ^ -2147483648, bits ^ -1)
+
+
+@triton.jit
+def _pick_digit(hist_ptr, rem):
+    """Threshold digit of one pass from the row's histogram ``[256]`` of the remaining candidates.
+
+    Returns ``(d, rem')``: the digit of the ``rem``-th largest candidate and how many of the k best
+    are still to be found among candidates with digit ``d`` (``rem`` minus those with digit > d).
+    """
+    bins = tl.arange(0, 256)
+    h = tl.load(hist_ptr + bins)
+    at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # [256] candidates with digit >= bin
+    d = tl.minimum(tl.maximum(tl.sum((at_least >= rem).to(tl.int32), 0) - 1, 0), 255)
+    return d, rem - tl.sum(tl.where(bins > d, h, 0), 0)
+
+
+@triton.jit
+def _earlier(suf_ptr, c, d, STEP: tl.constexpr):
+    """Sum over chunks ``c' < c`` of ``suf[c', d]`` (``suf`` row-major ``[C, 256]``; 0 when d == 256)."""
+    acc = tl.zeros([STEP], tl.int32)
+    for c0 in range(0, c, STEP):
+        cc = c0 + tl.arange(0, STEP)
+        acc += tl.load(suf_ptr + cc * 256 + d, mask=cc < tl.where(d < 256, c, 0), other=0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _save_hist(hist_ptr, suf_ptr, h):
+    """This chunk's suffix counts to ``suf_ptr [256]``; its histogram added into the row total."""
+    bins = tl.arange(0, 256)
+    tl.store(suf_ptr + bins, tl.sum(h, 0) - tl.cumsum(h, 0) + h)
+    tl.atomic_add(hist_ptr + bins, h, sem="relaxed")
+
+
+@triton.jit
+def _store_positions(out_row, idx, pos, mask, bt_row, seq_len, MB, P, SLOTS: tl.constexpr):
+    """Write positions (or, with SLOTS, their slots: -1 outside the request or its block table)."""
+    if SLOTS:
+        page = pos // P
+        ok = (pos >= 0) & (pos < seq_len) & (page < MB)
+        block = tl.load(bt_row + page, mask=mask & ok, other=0)
+        pos = tl.where(ok, block.to(tl.int64) * P + pos % P, -1).to(tl.int32)
+    tl.store(out_row + idx, pos, mask=mask)
+
+
+@triton.jit
+def _topk_pass_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_o,
+                      hist_ptr, suf_ptr, cand_ptr, stride_cand,
+                      bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, MB, P,
+                      L, k, C, CHUNK,
+                      PASS: tl.constexpr, HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr,
+                      BLOCK: tl.constexpr, STEP: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    start = 0
+    if HAS_STARTS:
+        start = tl.maximum(tl.load(starts_ptr + r), 0)
+    length = tl.maximum(tl.minimum(tl.load(lengths_ptr + r), L - start), 0)
+    row_l = logits_ptr + r * stride_l + start  # column `pos` of the row's window at row_l + pos
+    out_row = out_ptr + r * stride_o
+    bt_row = bt_ptr
+    seq_len = 0
+    if SLOTS:
+        req = tl.load(row_to_req_ptr + r).to(tl.int64)
+        bt_row = bt_ptr + req * stride_bt
+        seq_len = tl.load(seq_lens_ptr + req)
+    hist_r = hist_ptr + r * (4 * 256)  # [4, 256] row totals per pass
+    suf_r = suf_ptr + r * (4 * C * 256)  # [4, C, 256] suffix counts per pass and chunk
+    cand_c = cand_ptr + r * stride_cand + c * CHUNK  # this chunk's candidate span [CHUNK]
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, length)
+    cols = tl.arange(0, BLOCK)
+    h = tl.zeros([256], tl.int32)
+
+    if PASS == 0:
+        if length <= k:  # dense row: 0, 1, ..., length - 1, then -1
+            if c == 0:
+                for j in range(0, k, BLOCK):
+                    idx = j + cols
+                    _store_positions(out_row, idx, tl.where(idx < length, idx, -1), idx < k, bt_row, seq_len,
+                                     MB, P, SLOTS)
+        else:
+            for j in range(lo, hi, BLOCK):
+                pos = j + cols
+                m = pos < hi
+                key = _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
+                h += tl.histogram((key >> 24) & 255, 256, mask=m)
+            _save_hist(hist_r, suf_r + c * 256, h)
+    elif length > k:
+        d0, rem0 = _pick_digit(hist_r, k)
+        if PASS == 1:
+            for j in range(lo, hi, BLOCK):
+                pos = j + cols
+                m = pos < hi
+                key = _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
+                h += tl.histogram((key >> 16) & 255, 256, mask=m & (((key >> 24) & 255) == d0))
+            _save_hist(hist_r + 256, suf_r + (C + c) * 256, h)
+        else:
+            d1, rem1 = _pick_digit(hist_r + 256, rem0)
+            if PASS == 2:
+                prefix = d0 * 256 + d1
+                base = _earlier(suf_r, c, d0 + 1, STEP) + _earlier(suf_r + C * 256, c, d1 + 1, STEP)
+                n_sel = 0
+                n_cand = 0
+                for j in range(lo, hi, BLOCK):
+                    pos = j + cols
+                    m = pos < hi
+                    key = _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
+                    top = (key >> 16) & 65535
+                    sel = m & (top > prefix)
+                    cand = m & (top == prefix)
+                    ranks = tl.cumsum(sel.to(tl.int32) + (cand.to(tl.int32) << 16), 0)  # two counts, 16 bits each
+                    _store_positions(out_row, base + n_sel + (ranks & 65535) - 1, pos, sel, bt_row, seq_len,
+                                     MB, P, SLOTS)
+                    tl.store(cand_c + n_cand + (ranks >> 16) - 1, pos, mask=cand)
+                    h += tl.histogram((key >> 8) & 255, 256, mask=cand)
+                    counts = tl.max(ranks, 0)
+                    n_sel += counts & 65535
+                    n_cand += counts >> 16
+                _save_hist(hist_r + 2 * 256, suf_r + (2 * C + c) * 256, h)
+            else:
+                suf1 = suf_r + (C + c) * 256
+                n = tl.load(suf1 + d1) - tl.load(suf1 + d1 + 1, mask=d1 < 255, other=0)  # candidates here
+                d2, rem2 = _pick_digit(hist_r + 2 * 256, rem1)
+                if PASS == 3:
+                    for j in range(0, n, BLOCK):
+                        m = j + cols < n
+                        pos = tl.load(cand_c + j + cols, mask=m, other=0)
+                        key = _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
+                        h += tl.histogram(key & 255, 256, mask=m & (((key >> 8) & 255) == d2))
+                    _save_hist(hist_r + 3 * 256, suf_r + (3 * C + c) * 256, h)
+                else:
+                    d3, rem3 = _pick_digit(hist_r + 3 * 256, rem2)
+                    low = d2 * 256 + d3
+                    suf3 = suf_r + 3 * C * 256
+                    n_gt = k - rem1 + _earlier(suf_r + 2 * C * 256, c, d2 + 1, STEP) + _earlier(suf3, c, d3 + 1, STEP)
+                    n_eq = _earlier(suf3, c, d3, STEP) - _earlier(suf3, c, d3 + 1, STEP)
+                    for j in range(0, n, BLOCK):
+                        m = j + cols < n
+                        pos = tl.load(cand_c + j + cols, mask=m, other=0)
+                        key = _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
+                        bottom = key & 65535
+                        gt = m & (bottom > low)
+                        eq = m & (bottom == low)
+                        ranks = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)
+                        eq_rank = n_eq + (ranks >> 16) - 1  # among the row's columns equal to T
+                        _store_positions(out_row, n_gt + (ranks & 65535) - 1, pos, gt, bt_row, seq_len, MB, P, SLOTS)
+                        _store_positions(out_row, k - rem3 + eq_rank, pos, eq & (eq_rank < rem3), bt_row, seq_len,
+                                         MB, P, SLOTS)
+                        counts = tl.max(ranks, 0)
+                        n_gt += counts & 65535
+                        n_eq += counts >> 16
+
+
+def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, programs=_PROGRAMS, out=None):
+    """Launch the passes (one when ``L <= k``: every row is dense). ``slots``: ``(block_table,
+    row_to_req, seq_lens, block_size)`` to write slots; ``block``/``programs``/``out`` for tests."""
+    r, width = logits.shape
+    assert block < 65536  # per-step counts are packed 16 bits apiece
+    if out is None:
+        out = torch.empty((r, k), dtype=torch.int32, device=logits.device)
+    if r == 0:
+        return out
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    lengths = lengths.contiguous()
+    starts_t = lengths if starts is None else starts.contiguous()
+    chunks = max(1, min(triton.cdiv(width, block), triton.cdiv(programs, r)))
+    chunk = triton.cdiv(triton.cdiv(max(width, 1), chunks), block) * block
+    chunks = max(1, triton.cdiv(width, chunk))
+    passes = 1 if width <= k else 5
+    i32 = dict(dtype=torch.int32, device=logits.device)
+    if passes == 1:
+        hist = suf = cand = out  # never read: every row is dense
+    else:
+        hist = torch.zeros((r, 4, 256), **i32)  # row totals, added atomically
+        suf = torch.empty((r, 4, chunks, 256), **i32)  # every entry written by its chunk's program
+        cand = torch.empty((r, chunks * chunk), **i32)  # candidate spans, room for whole chunks
+    if slots is None:
+        bt, row_to_req, seq_lens, block_size = out, out, out, 1
+    else:
+        bt, row_to_req, seq_lens, block_size = slots
+        bt, row_to_req, seq_lens = bt.contiguous(), row_to_req.contiguous(), seq_lens.contiguous()
+    grid = (r, chunks if passes > 1 else 1)
+    for p in range(passes):
+        _topk_pass_kernel[grid](
+            logits, logits.stride(0), lengths, starts_t, out, out.stride(0),
+            hist, suf, cand, cand.stride(0),
+            bt, bt.stride(0), row_to_req, seq_lens, bt.shape[1], block_size,
+            width, k, chunks, chunk,
+            PASS=p, HAS_STARTS=starts is not None, SLOTS=slots is not None,
+            BLOCK=block, STEP=_CHUNK_STEP, num_warps=_NUM_WARPS)
+    return out
 
 
 def _check_topk_args(logits, lengths, k, starts):
@@ -58,9 +286,10 @@ def topk_indices(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: to
         exactly ``min(k, length)`` distinct in-range positions.
     """
     device = _check_topk_args(logits, lengths, k, starts)
-    impl = resolve_backend(backend, device, "topk_indices", kernel_ready=False, issue=4)
+    impl = resolve_backend(backend, device, "topk_indices")
     if impl == "torch":
         return topk_indices_reference(logits, lengths, k, starts)
+    return _topk_triton(logits, lengths, k, starts)
 
 
 def topk_slots_reference(logits, lengths, k, block_table, row_to_req, seq_lens, block_size, starts=None):
@@ -88,6 +317,7 @@ def topk_slots(logits: torch.Tensor, lengths: torch.Tensor, k: int, block_table:
     check_tensor("row_to_req", row_to_req, dtype=torch.int32, shape=(logits.shape[0],))
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(block_table.shape[0],))
     check_same_device(logits=logits, block_table=block_table, row_to_req=row_to_req, seq_lens=seq_lens)
-    impl = resolve_backend(backend, device, "topk_slots", kernel_ready=False, issue=4, block_size=block_size)
+    impl = resolve_backend(backend, device, "topk_slots", block_size=block_size)
     if impl == "torch":
         return topk_slots_reference(logits, lengths, k, block_table, row_to_req, seq_lens, block_size, starts)
+    return _topk_triton(logits, lengths, k, starts, (block_table, row_to_req, seq_lens, block_size))

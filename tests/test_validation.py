@@ -110,9 +110,6 @@ def test_block_size_not_multiple_of_16_is_refused_for_triton(monkeypatch):
 
 # ops whose Triton kernels have not landed yet: "triton" says which issue brings them
 PENDING = {
-    "topk_indices": (4, lambda: K.topk_indices(torch.zeros(3, 10), torch.zeros(3, dtype=I32), 4, backend="triton")),
-    "sparse_mla": (5, lambda: K.sparse_mla(torch.zeros(1, 2, 576, dtype=torch.bfloat16), LAT,
-                                           torch.zeros(1, 16, dtype=I32), 0.1, backend="triton")),
 }
 
 

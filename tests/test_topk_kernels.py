@@ -1,0 +1,132 @@
+"""Triton top-k (``topk_indices`` / ``topk_slots``) under the CPU interpreter, at small odd shapes.
+
+Selections are compared with the reference tie-aware (the multiset of selected order keys), never
+by index. ``block=64, programs=40`` splits rows of a few hundred columns into several chunks, so the
+cross-chunk offsets and the candidate spans are exercised as on the GPU.
+"""
+import pytest
+import torch
+
+from dsa import kernels as K
+from dsa.kernels.slots import positions_to_slots_reference
+from dsa.kernels.topk import _order_key, _topk_triton, topk_indices_reference
+
+SMALL = dict(block=64, programs=24)
+POISON = -7  # never a valid output: rows must overwrite every element
+
+
+def check_topk(out, logits, lengths, k, starts=None, ref=None):
+    """Every row: ``min(k, length)`` distinct in-range positions then -1; dense rows exactly 0..n-1;
+    longer rows a valid top-k whose multiset of order keys equals the reference's."""
+    r, width = logits.shape
+    st = torch.zeros(r, dtype=torch.long, device=logits.device) if starts is None else starts.long()
+    ln = torch.minimum(lengths.long(), (width - st).clamp_min(0)).clamp_min(0)
+    slot = torch.arange(k, device=logits.device)
+    written = slot[None, :] < torch.minimum(ln, torch.tensor(k))[:, None]  # [R, k]
+    out = out.long()
+    assert torch.all(out[~written] == -1), "padding must be -1 at the end of the row"
+    assert torch.all((out >= 0) & (out < ln[:, None]) | ~written), "positions out of range"
+    spread = torch.where(written, out, width + slot).sort(dim=1).values
+    assert torch.all(spread[:, 1:] > spread[:, :-1]), "repeated positions"
+    dense = ln <= k
+    assert torch.equal(out[dense], torch.where(written, slot, -1)[dense]), "a short row must be 0..length-1"
+    long_rows = (~dense).nonzero().flatten()
+    if len(long_rows) == 0:
+        return
+    keys = _order_key(logits)[long_rows]  # [R', L] int64, a total order (NaN by its bits)
+    cols = torch.arange(width, device=logits.device)
+    s, n = st[long_rows, None], ln[long_rows, None]
+    valid = (cols >= s) & (cols < s + n)
+    picked = torch.zeros_like(valid).scatter_(1, out[long_rows] + s, True)
+    lowest = torch.where(picked, keys, torch.iinfo(torch.int64).max).min(dim=1).values
+    rest = torch.where(valid & ~picked, keys, torch.iinfo(torch.int64).min).max(dim=1).values
+    assert torch.all(lowest >= rest), "a selected value is below an unselected valid one"
+    if ref is not None:
+        mine = keys.gather(1, out[long_rows] + s).sort(dim=1).values
+        theirs = keys.gather(1, ref[long_rows].long() + s).sort(dim=1).values
+        assert torch.equal(mine, theirs), "selected values differ from the reference's"
+
+
+def adversarial_rows(width, k, g):
+    """One row per kind: random, all equal, two values, 10-bit values, NaN/inf garbage past the length,
+    NaN inside, -inf and +inf, values differing only in their low 16 bits, a threshold tie far larger than k (overflows any bounded candidate
+    buffer), and one row of only -inf. Returns ``(logits [R, width], lengths [R], starts [R])``."""
+    rows = {
+        "random": torch.randn(width, generator=g),
+        "constant": torch.full((width,), 3.0),
+        "two_values": torch.randint(0, 2, (width,), generator=g).float(),
+        "quant10": (torch.randn(width, generator=g) * 64).round().clamp(-512, 511) / 64,
+        "garbage_tail": torch.randn(width, generator=g),
+        "nan_inside": torch.where(torch.rand(width, generator=g) < 0.3, float("nan"), torch.randn(width, generator=g)),
+        "inf": torch.where(torch.rand(width, generator=g) < 0.4, float("-inf"), torch.randn(width, generator=g)),
+        "pos_inf": torch.where(torch.rand(width, generator=g) < 0.2, float("inf"), torch.randn(width, generator=g)),
+        "low_bits": 1 + torch.randint(0, 16, (width,), generator=g).float() * 2.0 ** -16,  # one 16-bit prefix
+        "threshold_tie": torch.cat((torch.arange(k // 4).float() + 10, torch.ones(width - k // 4))),
+        "all_neg_inf": torch.full((width,), float("-inf")),
+    }
+    logits = torch.stack(list(rows.values()))
+    lengths = torch.full((len(rows),), width, dtype=torch.int32)
+    starts = torch.zeros(len(rows), dtype=torch.int32)
+    tail = list(rows).index("garbage_tail")
+    lengths[tail], starts[tail] = width - 40, 5
+    logits[tail, width - 35:] = torch.tensor([float("nan"), float("inf"), float("-inf"), 1e30] * 9)[:35]
+    tie = list(rows).index("threshold_tie")
+    logits[tie] = logits[tie][torch.randperm(width, generator=g)]
+    return logits, lengths, starts
+
+
+def test_adversarial_rows_are_exact_as_positions_and_slots():
+    g = torch.Generator().manual_seed(0)
+    width, k, p = 501, 40, 16
+    logits, lengths, starts = adversarial_rows(width, k, g)
+    r = logits.shape[0]
+    pos = torch.full((r, k), POISON, dtype=torch.int32)
+    _topk_triton(logits, lengths, k, starts, out=pos, **SMALL)
+    check_topk(pos, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
+    table = torch.randperm(40 * r, generator=g)[:29 * r].view(r, 29).to(torch.int32)  # 29 * 16 < 501
+    row_to_req = torch.arange(r, dtype=torch.int32).flip(0)
+    seq_lens = torch.full((r,), width, dtype=torch.int32)
+    out = torch.full((r, k), POISON, dtype=torch.int32)
+    _topk_triton(logits, lengths, k, starts, (table, row_to_req, seq_lens, p), out=out, **SMALL)
+    assert torch.equal(out, positions_to_slots_reference(pos, table, row_to_req, seq_lens, p))
+
+
+@pytest.mark.parametrize("k", [32, 57], ids=lambda k: f"k{k}")
+def test_edge_lengths_and_starts(k):
+    """Lengths 0, 1, k-1, k, k+1, the full row, lengths clipped by the row end, starts past the end."""
+    g = torch.Generator().manual_seed(k)
+    width = 389
+    lengths = torch.tensor([0, 1, k - 1, k, k + 1, width, width, 300, 200, 90], dtype=torch.int32)
+    starts = torch.tensor([0, 3, 7, 0, 11, 0, 50, 250, width + 5, 299], dtype=torch.int32)
+    logits = torch.randn(len(lengths), width, generator=g)
+    logits[::3] = (logits[::3] * 4).round()  # ties at the threshold
+    out = torch.full((len(lengths), k), POISON, dtype=torch.int32)
+    _topk_triton(logits, lengths, k, starts, out=out, **SMALL)
+    check_topk(out, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
+
+
+def test_rows_narrower_than_k_take_one_pass():
+    logits = torch.randn(5, 20)
+    lengths = torch.tensor([20, 0, 7, 25, 19], dtype=torch.int32)
+    out = torch.full((5, 24), POISON, dtype=torch.int32)
+    _topk_triton(logits, lengths, 24, None, out=out, **SMALL)
+    assert torch.equal(out, topk_indices_reference(logits, lengths, 24))
+
+
+def test_public_ops_run_triton_and_slots_match_positions():
+    """``backend="triton"`` runs the kernels (default tiling); ``topk_slots`` writes the same selection
+    as slots, -1 past ``seq_lens``, past the block table and for padding."""
+    g = torch.Generator().manual_seed(3)
+    width, k, p = 3000, 48, 16
+    logits = (torch.randn(4, width, generator=g) * 8).round()
+    lengths = torch.tensor([3000, 2500, 40, 2990], dtype=torch.int32)
+    starts = torch.tensor([0, 100, 9, 10], dtype=torch.int32)
+    pos = K.topk_indices(logits, lengths, k, starts, backend="triton")
+    check_topk(pos, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
+    table = torch.randperm(600, generator=g)[:3 * 150].view(3, 150).to(torch.int32)
+    table = table[:, :140]  # positions >= 140 * 16 = 2240 fall outside the table
+    row_to_req = torch.tensor([2, 0, 1, 2], dtype=torch.int32)
+    seq_lens = torch.tensor([2400, 30, 2300], dtype=torch.int32)  # request 1: 30 < its row's 40 positions
+    slots = K.topk_slots(logits, lengths, k, table, row_to_req, seq_lens, p, starts, backend="triton")
+    assert torch.equal(slots, positions_to_slots_reference(pos, table, row_to_req, seq_lens, p))
+    assert (slots == -1).sum() > (pos == -1).sum()  # the edges above were reached
