@@ -1,10 +1,14 @@
-"""dense_mla_decode: absorbed MLA decode rows over every visible position of their paged context."""
+"""dense_mla_decode: absorbed MLA decode rows over every visible position of their paged context.
+
+The Triton kernel is the one of ``sparse_mla`` with ``DENSE=True``: the ``N * H`` query rows of a
+request form one group, key rows come from its block table, split along the context for small grids.
+"""
 import torch
 
 from .common import FLOAT_DTYPES, check_same_device, check_tensor, resolve_backend
 from .layouts import LATENT_DIM, latent_cache_format
 from .slots import positions_to_slots_reference
-from .sparse_mla import sparse_mla_reference
+from .sparse_mla import mla_attention_triton, sparse_mla_reference
 
 
 def dense_mla_decode_reference(q, latent_cache, block_table, seq_lens, softmax_scale):
@@ -42,8 +46,17 @@ def dense_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: t
     check_tensor("block_table", block_table, dtype=torch.int32, shape=(b, None))
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(b,))
     device = check_same_device(q=q, latent_cache=latent_cache, block_table=block_table, seq_lens=seq_lens)
-    impl = resolve_backend(backend, device, "dense_mla_decode", kernel_ready=False, issue=5,
+    impl = resolve_backend(backend, device, "dense_mla_decode", kernel_ready=True,
                            triton_dtypes_ok=fmt != "fp32" and q.dtype == torch.bfloat16,
                            block_size=latent_cache.shape[1])
     if impl == "torch":
         return dense_mla_decode_reference(q, latent_cache, block_table, seq_lens, float(softmax_scale))
+    if latent_cache.stride(2) != 1:
+        raise ValueError("latent_cache: expected unit stride along the row (a contiguous last dim)")
+    n, h = q.shape[1], q.shape[2]
+    block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    # one program group per request over its N * H query rows; the context bound MB * P needs no host sync
+    out, lse = mla_attention_triton(q.contiguous().view(b * n * h, LATENT_DIM), latent_cache, n * h, b,
+                                    block_table=block_table, seq_lens=seq_lens, n=n, h=h,
+                                    length=block_table.shape[1] * latent_cache.shape[1], softmax_scale=softmax_scale)
+    return out.view(b, n, h, -1), lse.view(b, n, h)

@@ -1,9 +1,11 @@
 """latent_write: store ``[kv_c | k_pe]`` rows in the latent cache (bf16, FP8-656 or fp32) by slot."""
 import torch
+import triton
+import triton.language as tl
 
 from .common import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, resolve_backend
-from .layouts import (FP8_MAX, KV_LORA_RANK, LATENT_FP8_TILE, ROPE_DIM, latent_cache_format, latent_fp8_scale,
-                      latent_fp8_views)
+from .layouts import (FP8_MAX, KV_LORA_RANK, LATENT_FP8_RATIO_FLOOR, LATENT_FP8_ROPE_OFFSET, LATENT_FP8_SCALE_OFFSET,
+                      LATENT_FP8_TILE, ROPE_DIM, latent_cache_format, latent_fp8_scale, latent_fp8_views)
 
 
 def latent_write_reference(latent_cache, kv_c, k_pe, slot_mapping):
@@ -22,6 +24,40 @@ def latent_write_reference(latent_cache, kv_c, k_pe, slot_mapping):
     kv8_cache[block, offset] = kv8.flatten(-2)
     scale_cache[block, offset] = scale
     k_pe_cache[block, offset] = k_pe.to(torch.bfloat16)
+
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_FLOOR = tl.constexpr(LATENT_FP8_RATIO_FLOOR)
+_SCALE_OFF = tl.constexpr(LATENT_FP8_SCALE_OFFSET)
+_ROPE_OFF = tl.constexpr(LATENT_FP8_ROPE_OFFSET)
+
+
+@triton.jit
+def _latent_write_kernel(cache_ptr, kv_ptr, pe_ptr, slot_ptr, stride_kv, stride_pe, stride_cb, stride_cp, block_size,
+                         FP8: tl.constexpr):
+    """One program per token: its row ``[kv_c | k_pe]`` to slot ``slot_mapping[t]`` (skipped when < 0)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        base = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_cp
+        d = tl.arange(0, 512)
+        e = tl.arange(0, 64)
+        pe = tl.load(pe_ptr + t * stride_pe + e)  # [64] bf16
+        if FP8:
+            x = tl.load(kv_ptr + t * stride_kv + tl.reshape(d, (4, 128))).to(tl.float32)  # [4, 128]
+            amax = tl.max(tl.abs(x), 1)  # [4]
+            r = tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FLOOR)
+            bits = r.to(tl.int32, bitcast=True)
+            exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            scale = (exponent << 23).to(tl.float32, bitcast=True)  # [4] ue8m0, a power of two
+            y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX), _FP8_MAX)
+            y8 = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # round to nearest even
+            tl.store(base + tl.reshape(d, (4, 128)), y8)
+            tl.store((base + _SCALE_OFF).to(tl.pointer_type(tl.float32)) + tl.arange(0, 4), scale)
+            tl.store((base + _ROPE_OFF).to(tl.pointer_type(tl.bfloat16)) + e, pe)
+        else:
+            tl.store(base + d, tl.load(kv_ptr + t * stride_kv + d))
+            tl.store(base + 512 + e, pe)
 
 
 def latent_write(latent_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
@@ -44,7 +80,15 @@ def latent_write(latent_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Ten
     check_tensor("k_pe", k_pe, dtype=kv_c.dtype, shape=(t, ROPE_DIM))
     check_tensor("slot_mapping", slot_mapping, dtype=INDEX_DTYPES, shape=(t,))
     device = check_same_device(latent_cache=latent_cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
-    impl = resolve_backend(backend, device, "latent_write", kernel_ready=False, issue=5,
+    impl = resolve_backend(backend, device, "latent_write", kernel_ready=True,
                            triton_dtypes_ok=fmt != "fp32" and kv_c.dtype == torch.bfloat16)
     if impl == "torch":
         latent_write_reference(latent_cache, kv_c, k_pe, slot_mapping)
+        return
+    if t == 0:
+        return
+    if latent_cache.stride(2) != 1 or kv_c.stride(1) != 1 or k_pe.stride(1) != 1:
+        raise ValueError("latent_cache, kv_c, k_pe: expected unit stride along the last dim")
+    _latent_write_kernel[(t,)](latent_cache, kv_c, k_pe, slot_mapping, kv_c.stride(0), k_pe.stride(0),
+                               latent_cache.stride(0), latent_cache.stride(1), latent_cache.shape[1],
+                               FP8=fmt == "fp8", num_warps=4)

@@ -1,8 +1,15 @@
-"""sparse_mla: absorbed MLA over selected rows of the shared 576-wide latent cache."""
+"""sparse_mla: absorbed MLA over selected rows of the shared 576-wide latent cache.
+
+The Triton kernel here also serves ``dense_mla_decode`` (``DENSE=True``: rows come from the block
+table instead of a slot list), so both ops share one tiling, one softmax and one LSE merge.
+"""
 import torch
+import triton
+import triton.language as tl
 
 from .common import FLOAT_DTYPES, check_same_device, check_tensor, compute_dtype, resolve_backend
-from .layouts import KV_LORA_RANK, LATENT_DIM, LATENT_FP8_TILE, latent_cache_format, latent_fp8_views
+from .layouts import (KV_LORA_RANK, LATENT_DIM, LATENT_FP8_ROPE_OFFSET, LATENT_FP8_SCALE_OFFSET, LATENT_FP8_TILE,
+                      latent_cache_format, latent_fp8_views)
 
 
 def gather_latent_rows(latent_cache, slots, dtype):
@@ -37,6 +44,233 @@ def sparse_mla_reference(q, latent_cache, slots, softmax_scale):
     return out, lse
 
 
+LOG2E = 1.4426950408889634
+_SCALE_OFF = tl.constexpr(LATENT_FP8_SCALE_OFFSET)  # byte offsets inside a 656-byte FP8 row
+_ROPE_OFF = tl.constexpr(LATENT_FP8_ROPE_OFFSET)
+
+
+@triton.jit
+def _load_latent_rows(cache_ptr, row_off, valid, FP8: tl.constexpr):
+    """Gather rows ``[BLOCK_N, 576]`` as four ``[BLOCK_N, 128]`` kv_c tiles + ``[BLOCK_N, 64]`` k_pe, bf16.
+
+    ``row_off`` [BLOCK_N] int64: element offset (bf16 cache) or byte offset (FP8 cache) of each row;
+    rows with ``valid`` False are never read (poisoned rows stay out) and come back as zeros.
+    """
+    d = tl.arange(0, 128)
+    e = tl.arange(0, 64)
+    m = valid[:, None]
+    if FP8:
+        base = cache_ptr + row_off  # [BLOCK_N] uint8 pointers
+        sc = (base + _SCALE_OFF).to(tl.pointer_type(tl.float32))  # 4 fp32 scales per row
+        pe = (base + _ROPE_OFF).to(tl.pointer_type(tl.bfloat16))
+        k0 = tl.load(base[:, None] + d[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k1 = tl.load(base[:, None] + (128 + d)[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k2 = tl.load(base[:, None] + (256 + d)[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k3 = tl.load(base[:, None] + (384 + d)[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k0 = (k0 * tl.load(sc, mask=valid, other=0.0)[:, None]).to(tl.bfloat16)
+        k1 = (k1 * tl.load(sc + 1, mask=valid, other=0.0)[:, None]).to(tl.bfloat16)
+        k2 = (k2 * tl.load(sc + 2, mask=valid, other=0.0)[:, None]).to(tl.bfloat16)
+        k3 = (k3 * tl.load(sc + 3, mask=valid, other=0.0)[:, None]).to(tl.bfloat16)
+        kpe = tl.load(pe[:, None] + e[None, :], mask=m, other=0.0)
+    else:
+        base = cache_ptr + row_off  # [BLOCK_N] bf16 pointers
+        k0 = tl.load(base[:, None] + d[None, :], mask=m, other=0.0)
+        k1 = tl.load(base[:, None] + (128 + d)[None, :], mask=m, other=0.0)
+        k2 = tl.load(base[:, None] + (256 + d)[None, :], mask=m, other=0.0)
+        k3 = tl.load(base[:, None] + (384 + d)[None, :], mask=m, other=0.0)
+        kpe = tl.load(base[:, None] + (512 + e)[None, :], mask=m, other=0.0)
+    return k0, k1, k2, k3, kpe
+
+
+@triton.jit
+def _mla_attn_kernel(
+        q_ptr, cache_ptr, slots_ptr, block_table_ptr, seq_lens_ptr,  # inputs
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,  # outputs (final, or per split)
+        scale_log2,  # softmax_scale * log2(e)
+        ROWS, H, N, K, MB, TOTAL_ROWS, SPLIT_LEN,
+        stride_slots, stride_bt, stride_cb, stride_cp, block_size,
+        DENSE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: group ``g`` (a token for sparse, a request for dense), ``BLOCK_H`` of its query rows,
+    and one split of its key rows; online softmax in the log2 domain, fp32 accumulators."""
+    g = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] query rows inside the group
+    split = tl.program_id(2)
+    row_ok = r < ROWS
+    row = g * ROWS + r  # [BLOCK_H] int64 flat query row
+    d = tl.arange(0, 128)
+    e = tl.arange(0, 64)
+    q_row = q_ptr + row[:, None] * 576
+    qm = row_ok[:, None]
+    q0 = tl.load(q_row + d[None, :], mask=qm, other=0.0)  # [BLOCK_H, 128] bf16
+    q1 = tl.load(q_row + (128 + d)[None, :], mask=qm, other=0.0)
+    q2 = tl.load(q_row + (256 + d)[None, :], mask=qm, other=0.0)
+    q3 = tl.load(q_row + (384 + d)[None, :], mask=qm, other=0.0)
+    qpe = tl.load(q_row + (512 + e)[None, :], mask=qm, other=0.0)  # [BLOCK_H, 64] bf16
+
+    if DENSE:
+        seq_len = tl.load(seq_lens_ptr + g)
+        length = tl.minimum(seq_len, MB * block_size)
+        last = seq_len - N + r // H  # [BLOCK_H] last visible position of each row
+    else:
+        length = K
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, length)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        idx = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        if DENSE:
+            valid = idx < end
+            blk = tl.load(block_table_ptr + g * stride_bt + idx // block_size, mask=valid, other=0).to(tl.int64)
+            row_off = blk * stride_cb + (idx % block_size).to(tl.int64) * stride_cp
+        else:
+            slot = tl.load(slots_ptr + g * stride_slots + idx, mask=idx < end, other=-1)
+            valid = slot >= 0
+            slot = tl.where(valid, slot, 0).to(tl.int64)
+            row_off = (slot // block_size) * stride_cb + (slot % block_size) * stride_cp
+        k0, k1, k2, k3, kpe = _load_latent_rows(cache_ptr, row_off, valid, FP8)
+        s = tl.dot(q0, tl.trans(k0))  # [BLOCK_H, BLOCK_N] fp32
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.dot(q2, tl.trans(k2), s)
+        s = tl.dot(q3, tl.trans(k3), s)
+        s = tl.dot(qpe, tl.trans(kpe), s)
+        if DENSE:
+            ok = valid[None, :] & (idx[None, :] <= last[:, None])
+        else:
+            ok = valid[None, :] & (r >= 0)[:, None]
+        s = tl.where(ok, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing valid yet stay at 0
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pb = p.to(tl.bfloat16)
+        acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
+        m_i = m_new
+
+    empty = l_i == 0.0
+    inv = 1.0 / tl.where(empty, 1.0, l_i)
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))  # [BLOCK_H] log2 domain
+    if SPLIT:
+        o_row = part_out_ptr + (split * TOTAL_ROWS + row)[:, None] * 512
+        tl.store(o_row + d[None, :], acc0 * inv[:, None], mask=qm)
+        tl.store(o_row + (128 + d)[None, :], acc1 * inv[:, None], mask=qm)
+        tl.store(o_row + (256 + d)[None, :], acc2 * inv[:, None], mask=qm)
+        tl.store(o_row + (384 + d)[None, :], acc3 * inv[:, None], mask=qm)
+        tl.store(part_lse_ptr + split * TOTAL_ROWS + row, lse2, mask=row_ok)
+    else:
+        o_row = out_ptr + row[:, None] * 512
+        tl.store(o_row + d[None, :], (acc0 * inv[:, None]).to(tl.bfloat16), mask=qm)
+        tl.store(o_row + (128 + d)[None, :], (acc1 * inv[:, None]).to(tl.bfloat16), mask=qm)
+        tl.store(o_row + (256 + d)[None, :], (acc2 * inv[:, None]).to(tl.bfloat16), mask=qm)
+        tl.store(o_row + (384 + d)[None, :], (acc3 * inv[:, None]).to(tl.bfloat16), mask=qm)
+        tl.store(lse_ptr + row, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _mla_combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, TOTAL_ROWS, NUM_SPLITS,
+                        BLOCK_S: tl.constexpr):
+    """Merge the splits of one query row by their log2-domain LSE: out bf16 [512], lse natural log."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    lse_s = tl.load(part_lse_ptr + s.to(tl.int64) * TOTAL_ROWS + row, mask=s < NUM_SPLITS,
+                    other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse_s, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse_s - m_use)  # 0 for empty splits
+    w_sum = tl.sum(w, 0)
+    d = tl.arange(0, 512)
+    acc = tl.zeros([512], tl.float32)
+    for i in range(0, NUM_SPLITS):
+        w_i = tl.exp2(tl.load(part_lse_ptr + i * TOTAL_ROWS + row) - m_use)
+        o_i = tl.load(part_out_ptr + (i * TOTAL_ROWS + row) * 512 + d)
+        acc += o_i * w_i
+    empty = w_sum == 0.0
+    tl.store(out_ptr + row * 512 + d, (acc / tl.where(empty, 1.0, w_sum)).to(tl.bfloat16))
+    tl.store(lse_ptr + row, tl.where(empty, float("-inf"), (m_use + tl.log2(tl.where(empty, 1.0, w_sum))) * 0.6931471805599453))
+
+
+_SM_COUNT = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors (a small fixed count under the interpreter, so tests split)."""
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _tiles(device: torch.device, rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages): 64 query rows per program on the GPU (wgmma needs
+    M = 64), two warpgroups splitting the 512-wide accumulator; 16 x 16 tiles under the interpreter."""
+    if device.type != "cuda":
+        return 16, 16, 4, 1
+    if rows <= 16:
+        return 16, 64, 4, 2
+    return 64, 64, 8, 2
+
+
+def mla_attention_triton(q_rows, latent_cache, rows, groups, *, slots=None, block_table=None, seq_lens=None,
+                         n=1, h=None, length, softmax_scale, block_n=None, num_stages=None):
+    """Launch the shared kernel over ``groups x rows`` query rows ``q_rows [groups * rows, 576]`` bf16.
+
+    Sparse (``slots [groups, K]``): group = token, rows = H. Dense (``block_table``/``seq_lens``):
+    group = request, rows = N * H, ``length`` = an upper bound of the context (no host sync).
+    Small grids split the key rows over programs (``SPLIT_LEN`` each) and merge them by LSE.
+    Returns ``(out [groups * rows, 512] bf16, lse [groups * rows] fp32)``.
+    """
+    device = q_rows.device
+    fp8 = latent_cache_format(latent_cache) == "fp8"
+    total = groups * rows
+    out = torch.empty((total, KV_LORA_RANK), dtype=torch.bfloat16, device=device)
+    lse = torch.empty((total,), dtype=torch.float32, device=device)
+    if total == 0:
+        return out, lse
+    block_h, bn, warps, stages = _tiles(device, rows)
+    bn = block_n or bn
+    stages = num_stages or stages
+    programs = groups * triton.cdiv(rows, block_h)
+    max_splits = max(1, triton.cdiv(length, 2 * bn))  # at least 2 tiles of keys per split
+    splits = max(1, min(max_splits, _sm_count(device) // programs))
+    split_len = max(bn, triton.cdiv(triton.cdiv(length, splits), bn) * bn)
+    splits = max(1, triton.cdiv(length, split_len))
+    dense = slots is None
+    if splits > 1:
+        part_out = torch.empty((splits, total, KV_LORA_RANK), dtype=torch.float32, device=device)
+        part_lse = torch.empty((splits, total), dtype=torch.float32, device=device)
+    else:
+        part_out, part_lse = out, lse  # unused
+    stride_cb, stride_cp = latent_cache.stride(0), latent_cache.stride(1)
+    if dense:
+        slots_arg, stride_slots, k = block_table, 0, 0
+        bt_arg, sl_arg, stride_bt, mb = block_table, seq_lens, block_table.stride(0), block_table.shape[1]
+    else:
+        slots_arg, stride_slots, k = slots, slots.stride(0), slots.shape[1]
+        bt_arg, sl_arg, stride_bt, mb = slots, slots, 0, 0
+        h = rows
+    _mla_attn_kernel[(groups, triton.cdiv(rows, block_h), splits)](
+        q_rows, latent_cache, slots_arg, bt_arg, sl_arg, out, lse, part_out, part_lse,
+        float(softmax_scale) * LOG2E, rows, h, n, k, mb, total, split_len,
+        stride_slots, stride_bt, stride_cb, stride_cp, latent_cache.shape[1],
+        DENSE=dense, FP8=fp8, SPLIT=splits > 1, BLOCK_H=block_h, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        _mla_combine_kernel[(total,)](part_out, part_lse, out, lse, total, splits,
+                                      BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+    return out, lse
+
+
 def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, slots: torch.Tensor, softmax_scale: float, *,
                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Each query row attends, in the absorbed 576-wide space, to the cache rows its slots name.
@@ -46,7 +280,7 @@ def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, slots: torch.Tensor,
             (float32/float64 through the reference).
         latent_cache: bfloat16 ``[NB, P, 576]``, uint8 ``[NB, P, 656]`` (FP8) or float32
             ``[NB, P, 576]`` (reference only). K is the whole row, V its first 512 values.
-        slots: ``[T, K]`` int32 cache slots, ``-1`` skipped.
+        slots: ``[T, K]`` int32 cache slots, ``-1`` skipped; ``K`` a multiple of 16 for Triton.
         softmax_scale: multiplies ``q . k`` before the softmax.
 
     Returns:
@@ -57,7 +291,17 @@ def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, slots: torch.Tensor,
     check_tensor("q", q, dtype=FLOAT_DTYPES, shape=(None, None, LATENT_DIM))
     check_tensor("slots", slots, dtype=torch.int32, shape=(q.shape[0], None))
     device = check_same_device(q=q, latent_cache=latent_cache, slots=slots)
-    impl = resolve_backend(backend, device, "sparse_mla", kernel_ready=False, issue=5,
+    impl = resolve_backend(backend, device, "sparse_mla", kernel_ready=True,
                            triton_dtypes_ok=fmt != "fp32" and q.dtype == torch.bfloat16)
     if impl == "torch":
         return sparse_mla_reference(q, latent_cache, slots, float(softmax_scale))
+    t, h, k = q.shape[0], q.shape[1], slots.shape[1]
+    if k % 16 != 0:
+        raise ValueError(f"slots: the Triton kernel of sparse_mla takes K a multiple of 16, got K={k}; "
+                         "pad with -1 or use backend='torch'")
+    if latent_cache.stride(2) != 1:
+        raise ValueError("latent_cache: expected unit stride along the row (a contiguous last dim)")
+    out, lse = mla_attention_triton(q.contiguous().view(t * h, LATENT_DIM), latent_cache, h, t,
+                                    slots=slots if slots.stride(1) == 1 else slots.contiguous(), length=k,
+                                    softmax_scale=softmax_scale)
+    return out.view(t, h, KV_LORA_RANK), lse.view(t, h)

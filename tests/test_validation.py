@@ -110,8 +110,6 @@ def test_block_size_not_multiple_of_16_is_refused_for_triton(monkeypatch):
 
 # ops whose Triton kernels have not landed yet: "triton" says which issue brings them
 PENDING = {
-    "sparse_mla": (5, lambda: K.sparse_mla(torch.zeros(1, 2, 576, dtype=torch.bfloat16), LAT,
-                                           torch.zeros(1, 16, dtype=I32), 0.1, backend="triton")),
 }
 
 
