@@ -126,7 +126,8 @@ class DSAAttention(nn.Module):
         kv = F.linear(rows[:, :c.kv_lora_rank], self.kv_b_proj.weight).view(s, h, -1)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat((k_nope, rows[:, None, c.kv_lora_rank:].expand(s, h, c.qk_rope_head_dim)), dim=-1)
-        stats["workspace_bytes"] = max(stats.get("workspace_bytes", 0), (k.numel() + v.numel()) * k.element_size())
+        # the workspace: the up-projected [S, H, D_NOPE + D_V] and the [S, H, D_NOPE + D_R] keys
+        stats["workspace_bytes"] = max(stats.get("workspace_bytes", 0), (kv.numel() + k.numel()) * k.element_size())
         q = torch.cat((q_nope, q_pe), dim=-1)  # [Q, H, 192]
         # query i sits at position pos0 + i and sees keys [0, pos0 + i]: bottom-right aligned
         mask = pos[None, :] <= (seg.pos0 + torch.arange(seg.rows, device=q.device))[:, None]

@@ -1,0 +1,16 @@
+"""``python -m dsa demo`` end to end on the CPU default model, with a short context past index_topk."""
+import json
+
+from dsa.cli import main
+
+
+def test_demo_runs_sparse_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--context", "530", "--new-tokens", "3", "--device", "cpu", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tokens/s" in text and "cache bytes per token" in text and "layers running the indexer: 2 of 2" in text
+    result = json.loads(out.read_text())
+    assert result["rows"]["sparse_prefill"] == 530 - 512 and result["rows"]["sparse_decode"] == 2
+    assert result["cache_bytes_per_token_dsa"] == 2 * 2304 + 2 * 132
+    assert result["cache_bytes_per_token_dense_mla"] == 2 * 2304
+    assert result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
