@@ -1,25 +1,45 @@
-"""``dsa bench indexer``: key write, query prep, paged decode logits, ragged prefill logits."""
+"""``dsa bench indexer``: key write, query prep, paged decode logits, ragged prefill logits.
+
+Each Triton row is checked against the torch reference on the same inputs before it is timed
+(logits: ``calc_diff < 1e-6`` over finite entries and identical ``-inf`` masks; key write and
+query prep: equal bytes). Targets (DESIGN section 9, from DeepGEMM on this H200) are recorded
+as ``target_us``.
+"""
 import torch
 
-from dsa.kernels import indexer_logits_paged_reference
-from dsa.testing import random_block_tables
+from dsa.kernels import (indexer_key_write, indexer_key_write_reference, indexer_logits_paged,
+                         indexer_logits_paged_reference, indexer_logits_ragged, indexer_logits_ragged_reference,
+                         indexer_query_prep, indexer_query_prep_reference)
+from dsa.testing import calc_diff, random_block_tables
 
 from .harness import result_row
 
 HI, DI, P = 64, 128, 64
+PAGED_TARGET_US = {(64, 65536, 1): 145.0, (64, 131072, 1): 280.0}
+RAGGED_TARGET_TFLOPS = 1000.0
+
+
+def check_logits(name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+    finite = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(out), finite) or not torch.equal(out[~finite], ref[~finite]):
+        raise RuntimeError(f"{name}: the -inf mask differs from the reference")
+    diff = calc_diff(out[finite], ref[finite])
+    if not diff < 1e-6:
+        raise RuntimeError(f"{name}: calc_diff {diff:.3g} against the reference (want < 1e-6)")
 
 
 def paged_inputs(b: int, n: int, s: int, device, seed: int = 0):
     """Random FP8 queries/weights and a random planar cache over non-contiguous blocks."""
-    g = torch.Generator().manual_seed(seed)
-    table, nb = random_block_tables([s] * b, P, generator=g)
-    cache = torch.randint(0, 256, (nb, P * (DI + 4)), dtype=torch.uint8, generator=g)
-    cache.view(nb, -1)[:, P * DI:].view(torch.float32).copy_(torch.rand(nb, P, generator=g) + 0.5)
-    cache[:, :P * DI] = torch.randn(nb, P * DI, generator=g).clamp(-8, 8).to(torch.float8_e4m3fn).view(torch.uint8)
-    q8 = torch.randn(b, n, HI, DI, generator=g).to(torch.float8_e4m3fn)
-    weights = torch.randn(b, n, HI, generator=g)
-    seq_lens = torch.full((b,), s, dtype=torch.int32)
-    return [x.to(device) for x in (q8, weights, cache, table, seq_lens)]
+    table, nb = random_block_tables([s] * b, P, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator(device=device).manual_seed(seed)
+    cache = torch.empty(nb, P * (DI + 4), dtype=torch.uint8, device=device)
+    cache[:, :P * DI] = (torch.randn(nb, P * DI, generator=g, device=device).clamp(-8, 8)
+                         .to(torch.float8_e4m3fn).view(torch.uint8))
+    cache[:, P * DI:].view(torch.float32).copy_(torch.rand(nb, P, generator=g, device=device) + 0.5)
+    q8 = torch.randn(b, n, HI, DI, generator=g, device=device).to(torch.float8_e4m3fn)
+    weights = torch.randn(b, n, HI, generator=g, device=device)
+    seq_lens = torch.full((b,), s, dtype=torch.int32, device=device)
+    return q8, weights, cache, table.to(device), seq_lens
 
 
 def paged_cost(b: int, n: int, s: int) -> tuple[int, int]:
@@ -27,12 +47,75 @@ def paged_cost(b: int, n: int, s: int) -> tuple[int, int]:
     return b * s * (DI + 4) + b * n * s * 4 + b * n * HI * (DI + 4), 2 * b * n * s * HI * DI
 
 
+def bench_key_write(device, timer, ceilings, t: int) -> dict:
+    nb = (t + P - 1) // P + 1
+    k = (torch.randn(t, DI, device=device) * 3).to(torch.bfloat16)
+    slots = torch.randperm(nb * P, device=device)[:t]
+    cache = torch.zeros(nb, P * (DI + 4), dtype=torch.uint8, device=device)
+    expect = cache.clone()
+    indexer_key_write(cache, k, slots, P, True)
+    indexer_key_write_reference(expect, k, slots, P, True)
+    if not torch.equal(cache, expect):
+        raise RuntimeError("indexer_key_write: bytes differ from the reference")
+    timing = timer(lambda: indexer_key_write(cache, k, slots, P, True))
+    return result_row("indexer_key_write", "triton", dict(T=t, DI=DI, hadamard=True), timing, ceilings,
+                      bytes_moved=t * (2 * DI + 8 + DI + 4))
+
+
+def bench_query_prep(device, timer, ceilings, t: int) -> dict:
+    q = (torch.randn(t, HI, DI, device=device) * 3).to(torch.bfloat16)
+    w = torch.randn(t, HI, device=device)
+    q8, weights = indexer_query_prep(q, w, True)
+    ref_q8, ref_w = indexer_query_prep_reference(q, w, True)
+    if not (torch.equal(q8.view(torch.uint8), ref_q8.view(torch.uint8)) and torch.equal(weights, ref_w)):
+        raise RuntimeError("indexer_query_prep: bytes differ from the reference")
+    timing = timer(lambda: indexer_query_prep(q, w, True))
+    return result_row("indexer_query_prep", "triton", dict(T=t, HI=HI, DI=DI, hadamard=True), timing, ceilings,
+                      bytes_moved=t * HI * (2 * DI + 4 + DI + 4))
+
+
+def bench_ragged(device, timer, ceilings, t: int, s: int) -> dict:
+    """A prefill chunk of ``t`` queries on top of ``s - t`` cached keys (the causal tail)."""
+    g = torch.Generator(device=device).manual_seed(1)
+    q8 = torch.randn(t, HI, DI, generator=g, device=device).to(torch.float8_e4m3fn)
+    w = torch.randn(t, HI, generator=g, device=device)
+    k8 = torch.randn(s, DI, generator=g, device=device).to(torch.float8_e4m3fn)
+    k_scale = torch.rand(s, generator=g, device=device) + 0.5
+    starts = torch.zeros(t, dtype=torch.int32, device=device)
+    ends = torch.arange(s - t + 1, s + 1, dtype=torch.int32, device=device)
+    out = indexer_logits_ragged(q8, w, k8, k_scale, starts, ends)
+    rows = torch.arange(0, t, max(1, t // 64), device=device)  # the reference on a subset of rows
+    check_logits("indexer_logits_ragged", out[rows],
+                 indexer_logits_ragged_reference(q8[rows], w[rows], k8, k_scale, starts[rows], ends[rows]))
+    del out
+    timing = timer(lambda: indexer_logits_ragged(q8, w, k8, k_scale, starts, ends), reps=10)
+    flops = 2 * HI * DI * int((ends - starts).sum())
+    return result_row("indexer_logits_ragged", "triton", dict(T=t, S=s, HI=HI, ranges="causal tail"), timing,
+                      ceilings, bytes_moved=t * s * 4 + s * (DI + 4) + t * HI * (DI + 4), flops=flops, bound="fp8",
+                      target_us=flops / (RAGGED_TARGET_TFLOPS * 1e6))
+
+
 def run(device, timer, ceilings, args) -> list:
     rows = []
-    for b, s, n in [(64, 65536, 1)]:
-        q8, w, cache, table, lens = paged_inputs(b, n, s, device)
-        t = timer(lambda: indexer_logits_paged_reference(q8, w, cache, table, lens, P), reps=5)
-        nbytes, flops = paged_cost(b, n, s)
-        rows.append(result_row("indexer_logits_paged", "torch-reference", dict(B=b, N=n, S=s, HI=HI), t,
-                               ceilings, bytes_moved=nbytes, flops=flops, bound="copy"))
+    for t in ([8192] if args.quick else [64, 8192]):
+        rows.append(bench_key_write(device, timer, ceilings, t))
+        rows.append(bench_query_prep(device, timer, ceilings, t))
+    shapes = [(64, 65536)] if args.quick else [(b, s) for b in (1, 8, 64) for s in (8192, 32768, 65536, 131072)]
+    for b, s in shapes:
+        for n in (1, 2):
+            q8, w, cache, table, lens = paged_inputs(b, n, s, device)
+            out = indexer_logits_paged(q8, w, cache, table, lens, P, s)
+            check_logits("indexer_logits_paged", out, indexer_logits_paged_reference(q8, w, cache, table, lens, P, s))
+            del out
+            t = timer(lambda: indexer_logits_paged(q8, w, cache, table, lens, P, s))
+            nbytes, flops = paged_cost(b, n, s)
+            rows.append(result_row("indexer_logits_paged", "triton", dict(B=b, N=n, S=s, HI=HI), t, ceilings,
+                                   bytes_moved=nbytes, flops=flops, bound="copy",
+                                   target_us=PAGED_TARGET_US.get((b, s, n))))
+            if (b, s, n) == (64, 65536, 1):
+                t = timer(lambda: indexer_logits_paged_reference(q8, w, cache, table, lens, P), reps=5)
+                rows.append(result_row("indexer_logits_paged", "torch-reference", dict(B=b, N=n, S=s, HI=HI), t,
+                                       ceilings, bytes_moved=nbytes, flops=flops, bound="copy"))
+            del q8, w, cache, table, lens
+    rows.append(bench_ragged(device, timer, ceilings, 4096, 65536))
     return rows
