@@ -29,9 +29,8 @@ FP8_LIMIT = tl.constexpr(FP8_MAX)
 def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
     """Butterfly stages h = 1, 2, ..., D/2 of each row of ``x [ROWS, D]`` fp32: within each group of
     2h, pairs (a, b) = (x[i], x[i + h]) -> (a + b, a - b), exactly as ``hadamard_reference``."""
-    for stage in tl.static_range(LOG2_D):
-        h: tl.constexpr = 1 << stage
-        y = tl.permute(tl.reshape(x, [ROWS, D // (2 * h), 2, h]), [0, 1, 3, 2])  # [ROWS, G, h, 2]
+    for stage in tl.static_range(LOG2_D):  # h = 2**stage
+        y = tl.permute(tl.reshape(x, [ROWS, D >> (stage + 1), 2, 1 << stage]), [0, 1, 3, 2])  # [ROWS, G, h, 2]
         a, b = tl.split(y)  # [ROWS, G, h] each
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, D])
     return x

@@ -58,11 +58,16 @@ def _indexer_logits_ragged_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, starts_ptr, ends_
     for tile in range(0, (c_begin - s_begin) // BLOCK_S):
         pos = s_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)
         tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=t_ok[None, :] & (pos < s_end)[:, None])
+    # key scales are prefetched one tile ahead (Triton pipelines only the loads that feed the dot)
+    pos_next = c_begin + tl.arange(0, BLOCK_S)
+    k_scale_next = tl.load(ks_ptr + pos_next, mask=pos_next < num_keys, other=0.0)
     for tile in range(0, c_tiles):
         pos = c_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S]
         key_ok = pos < num_keys
         k = tl.load(k_ptr + pos[:, None].to(tl.int64) * D + d[None, :], mask=key_ok[:, None], other=0.0)
-        k_scale = tl.load(ks_ptr + pos, mask=key_ok, other=0.0)  # [BLOCK_S] fp32
+        k_scale = k_scale_next  # [BLOCK_S] fp32
+        pos_next += BLOCK_S
+        k_scale_next = tl.load(ks_ptr + pos_next, mask=pos_next < num_keys, other=0.0)
         score = tl.dot(k, q_t)  # [BLOCK_S, M] fp32
         score = tl.maximum(score, 0.0) * w[None, :]
         logit = tl.sum(tl.reshape(score, [BLOCK_S, BLOCK_T, HI_PAD]), axis=2) * k_scale[:, None]  # [BLOCK_S, BLOCK_T]
