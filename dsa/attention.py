@@ -58,17 +58,7 @@ class DSAAttention(nn.Module):
         (``{path: [rows, K] int32}``), for the layers after it that skip the indexer."""
         c = self.config
         t, h = x.shape[0], c.num_attention_heads
-        if c.q_lora_rank:
-            qr = self.q_a_layernorm(self.q_a_proj(x))
-            q = self.q_b_proj(qr).view(t, h, c.qk_head_dim)
-        else:
-            qr = x
-            q = self.q_proj(x).view(t, h, c.qk_head_dim)
-        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        q_pe = apply_rope(q_pe, plan.positions, cos, sin, True)
-        kv = self.kv_a_proj_with_mqa(x)
-        kv_c = self.kv_a_layernorm(kv[:, :c.kv_lora_rank])
-        k_pe = apply_rope(kv[:, c.kv_lora_rank:], plan.positions, cos, sin, True)
+        qr, q_nope, q_pe, kv_c, k_pe = self.project(x, plan.positions, cos, sin)
         write_latent(latent, kv_c, k_pe, plan.slot_mapping)
 
         selected = reused
@@ -76,7 +66,7 @@ class DSAAttention(nn.Module):
             selected = self.indexer(x, qr, plan, index_cache, cos, sin, c.index_topk)
 
         out = torch.full((t, h, c.v_head_dim), float("nan"), dtype=x.dtype, device=x.device)
-        q_abs = torch.cat((torch.einsum("thd,hdr->thr", q_nope, self.w_uk_t), q_pe), dim=-1)  # [T, H, 576]
+        q_abs = self.absorbed_query(q_nope, q_pe)  # [T, H, 576]
         for path in ("sparse_decode", "sparse_prefill"):
             rows = plan.rows_of(path)
             if len(rows):
@@ -92,6 +82,24 @@ class DSAAttention(nn.Module):
             out[seg.row0:seg.row1] = self._mha(q_nope[seg.row0:seg.row1], q_pe[seg.row0:seg.row1], seg, plan, latent,
                                                stats)
         return self.o_proj(out.flatten(1)), selected
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, cos, sin):
+        """``(qr [T, q_lora], q_nope [T, H, D_NOPE], q_pe [T, H, D_R], kv_c [T, 512], k_pe [T, 64])``,
+        RoPE (interleaved) applied to ``q_pe`` and ``k_pe``."""
+        c = self.config
+        t = x.shape[0]
+        qr = self.q_a_layernorm(self.q_a_proj(x)) if c.q_lora_rank else x
+        q = (self.q_b_proj(qr) if c.q_lora_rank else self.q_proj(x)).view(t, c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)
+        kv_c = self.kv_a_layernorm(kv[:, :c.kv_lora_rank])
+        q_pe = apply_rope(q_pe, positions, cos, sin, True)
+        k_pe = apply_rope(kv[:, c.kv_lora_rank:], positions, cos, sin, True)
+        return qr, q_nope, q_pe, kv_c, k_pe
+
+    def absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """``[q_nope @ W_UK_T | q_pe]`` ``[T, H, 576]``."""
+        return torch.cat((torch.einsum("thd,hdr->thr", q_nope, self.w_uk_t), q_pe), dim=-1)
 
     def _up_v(self, o: torch.Tensor) -> torch.Tensor:
         """Latent-space output ``[R, H, 512]`` -> ``[R, H, D_V]``."""

@@ -1,0 +1,269 @@
+"""``python -m dsa recall``: how much of each layer's attention the indexer's top-k captures.
+
+For one prompt and sampled query positions, every layer:
+
+(a) ``fp8_vs_exact_recall``: recall of the exact indexer's top-k by the FP8 indexer's top-k;
+(b) ``mass_recall``: the share of the layer's true softmax attention (float32, averaged over
+    heads, computed densely in chunks) that falls on the selection the layer attends with (its
+    own FP8 indexer's, or the reused one on a layer that skips), next to ``best_mass_recall``, the
+    share on the true top-k of that attention (the best any selection of k can do);
+(c) on layers that reuse a selection, ``reused_mass_recall``: the mass on the reused selection
+    (to read against that layer's own ``best_mass_recall``); None on layers with their own indexer;
+(d) the same over several ``k`` (``--topk``), in ``by_k``; ``by_position`` buckets queries.
+
+Queries are sampled uniformly over the prompt; one whose causal range fits in k attends densely,
+so all its recalls are 1 (``by_position`` shows where the selection starts to matter).
+Random weights (``--preset``, seed ``--seed``, normal(0, 0.02) init) make attention diffuse:
+their numbers exercise the pipeline and are not quality claims.
+"""
+import json
+import os
+import platform
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .config import DSAConfig, layer_runs_indexer
+from .demo import CPU_DEFAULT, GPU_DEFAULT
+
+PRESETS = {
+    "tiny": lambda: DSAConfig.tiny(index_topk=64, index_topk_pattern="FSFS"),
+    "demo-cpu": lambda: DSAConfig.deepseek_v32(**CPU_DEFAULT),
+    "demo-gpu": lambda: DSAConfig.deepseek_v32(**GPU_DEFAULT),
+    "glm-skip-small": lambda: DSAConfig.glm_5_2_skip(num_hidden_layers=8, hidden_size=1024, num_attention_heads=16,
+                                                     q_lora_rank=512, intermediate_size=2048, n_routed_experts=None,
+                                                     vocab_size=8192, index_topk=512),
+}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("recall", help="top-k recall of the indexer: FP8 vs exact, attention mass, reuse")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="a HF checkpoint folder")
+    src.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="random weights (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="weights and random prompt seed (default: %(default)s)")
+    p.add_argument("--tokens", help="prompt: a file of whitespace-separated token ids, or a .npy array")
+    p.add_argument("--context", type=int, default=1024, help="random prompt length without --tokens")
+    p.add_argument("--queries", type=int, default=32, help="query positions sampled (default: %(default)s)")
+    p.add_argument("--topk", default="256,512,1024,2048", help="comma-separated k values for the sweep")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--out", default="recall-out", help="folder for recall.json and the plots")
+    p.set_defaults(func=run)
+
+
+def load_tokens(path: str) -> list:
+    if path.endswith(".npy"):
+        return np.load(path).astype(np.int64).reshape(-1).tolist()
+    with open(path) as f:
+        return [int(t) for t in f.read().split()]
+
+
+def top(scores: torch.Tensor, pos: int, k: int) -> torch.Tensor:
+    """The ``min(k, pos + 1)`` best of ``scores[0 : pos + 1]``: the positions a query at ``pos`` attends to."""
+    return scores[:pos + 1].topk(min(k, pos + 1)).indices
+
+
+def _recall(selected: torch.Tensor, reference: torch.Tensor) -> float:
+    """|selected & reference| / |reference| for 1-D index sets."""
+    return len(set(selected.tolist()) & set(reference.tolist())) / max(1, reference.numel())
+
+
+def capture_layer_inputs(model, ids: torch.Tensor) -> list:
+    """Each layer's attention input ``x [S, hidden]`` (after input_layernorm) for one sequence."""
+    inputs = []
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].detach()))
+             for layer in model.layers]
+    try:
+        model(ids[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return inputs
+
+
+def indexer_logits(indexer, x, qr, positions, cos, sin, queries, precision: str) -> torch.Tensor:
+    """``[Q, S]`` fp32 logits of the sampled ``queries`` (positions) against every key, -inf past each query."""
+    from dsa.kernels import hadamard, indexer_logits_ragged, indexer_query_prep, quant_ue8m0
+    from dsa.kernels.indexer_query_prep import weight_scale
+
+    c = indexer.config
+    q, k, w = indexer.project(x, qr, positions, cos, sin)
+    q, w = q[queries], w[queries]
+    ends = (queries + 1).to(torch.int32)
+    starts = torch.zeros_like(ends)
+    if precision == "exact":
+        return indexer_logits_ragged(q, w * weight_scale(c.index_n_heads, c.index_head_dim), k, None, starts, ends)
+    if c.indexer_hadamard:
+        k = hadamard(k)
+    k8, k_scale = quant_ue8m0(k, group=c.index_head_dim)
+    q8, weights = indexer_query_prep(q.contiguous(), w.contiguous(), c.indexer_hadamard)
+    return indexer_logits_ragged(q8, weights, k8, k_scale[:, 0].contiguous(), starts, ends)
+
+
+def attention_mass(attn, x, positions, cos, sin, queries, chunk: int = 8) -> torch.Tensor:
+    """``[Q, S]`` float32 softmax attention of the sampled queries, averaged over heads."""
+    _, q_nope, q_pe, kv_c, k_pe = attn.project(x, positions, cos, sin)
+    q_abs = attn.absorbed_query(q_nope[queries], q_pe[queries]).float()  # [Q, H, 576]
+    keys = torch.cat((kv_c, k_pe), dim=-1).float()  # [S, 576]
+    out = []
+    for i in range(0, len(queries), chunk):
+        q = q_abs[i:i + chunk]
+        score = torch.einsum("qhd,sd->qhs", q, keys) * attn.softmax_scale
+        visible = torch.arange(keys.shape[0], device=q.device)[None, :] <= queries[i:i + chunk, None]
+        score = score.masked_fill(~visible[:, None, :], float("-inf"))
+        out.append(torch.softmax(score, dim=-1).mean(dim=1))
+    return torch.cat(out)
+
+
+def measure(model, ids: torch.Tensor, ks: list, num_queries: int, seed: int, progress: bool = True) -> dict:
+    cfg = model.config
+    if cfg.index_topk is None:
+        raise SystemExit("dsa recall: the model has no indexer (index_topk is None)")
+    s = ids.numel()
+    ks = sorted(set(ks) | {cfg.index_topk})  # the model's own k is always reported per layer
+    g = torch.Generator().manual_seed(seed)
+    queries = torch.randperm(s, generator=g)[:num_queries].sort().values.to(model.device)
+    positions = torch.arange(s, device=model.device)
+    cos, sin = model.rope_tables(s)
+    inputs = capture_layer_inputs(model, ids.to(model.device))
+    layers, by_k = [], {k: {"mass": [], "best": [], "fp8_vs_exact": []} for k in ks}
+    by_pos = {"position": queries.tolist(), "mass_recall": [], "best_mass_recall": []}
+    last_scores = None  # FP8 logits of the nearest earlier indexer layer (the reused selection)
+    k_model = cfg.index_topk
+    for i, (layer, x) in enumerate(tqdm(list(zip(model.layers, inputs)), desc="recall", disable=not progress)):
+        attn = layer.self_attn
+        qr = attn.project(x, positions, cos, sin)[0]
+        mass = attention_mass(attn, x, positions, cos, sin, queries)  # [Q, S]
+        own_fp8 = own_exact = None
+        if attn.indexer is not None:
+            own_fp8 = indexer_logits(attn.indexer, x, qr, positions, cos, sin, queries, "fp8")
+            own_exact = indexer_logits(attn.indexer, x, qr, positions, cos, sin, queries, "exact")
+            last_scores = own_fp8
+        used = own_fp8 if own_fp8 is not None else last_scores
+        record = {"layer": i, "runs_indexer": layer_runs_indexer(cfg, i)}
+        for k in ks:
+            m_sel = [float(mass[j, top(used[j], p, k)].sum()) for j, p in enumerate(queries.tolist())]
+            m_best = [float(mass[j, top(mass[j], p, k)].sum()) for j, p in enumerate(queries.tolist())]
+            agree = ([_recall(top(own_fp8[j], p, k), top(own_exact[j], p, k)) for j, p in enumerate(queries.tolist())]
+                     if own_fp8 is not None else [])
+            by_k[k]["mass"].append(_mean(m_sel))
+            by_k[k]["best"].append(_mean(m_best))
+            by_k[k]["fp8_vs_exact"].append(_mean(agree) if agree else None)
+            if k == k_model:
+                record.update(fp8_vs_exact_recall=_mean(agree) if agree else None, mass_recall=_mean(m_sel),
+                              best_mass_recall=_mean(m_best))
+                by_pos["mass_recall"].append(m_sel)
+                by_pos["best_mass_recall"].append(m_best)
+        record["reused_mass_recall"] = record["mass_recall"] if own_fp8 is None else None
+        layers.append(record)
+    return {"layers": layers,
+            "by_k": [{"k": k, "mass_recall": _mean_skip(v["mass"]), "best_mass_recall": _mean_skip(v["best"]),
+                      "fp8_vs_exact_recall": _mean_skip(v["fp8_vs_exact"])} for k, v in by_k.items()],
+            "by_position": [{"position": p, "mass_recall": _mean([layer[j] for layer in by_pos["mass_recall"]]),
+                             "best_mass_recall": _mean([layer[j] for layer in by_pos["best_mass_recall"]])}
+                            for j, p in enumerate(by_pos["position"])]}
+
+
+def _mean(xs):
+    return float(sum(xs) / len(xs)) if xs else None
+
+
+def _mean_skip(xs):
+    return _mean([x for x in xs if x is not None])
+
+
+def plot(result: dict, out_dir: str) -> list:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    layers = result["layers"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    xs = [r["layer"] for r in layers]
+    ax.plot(xs, [r["mass_recall"] for r in layers], "o-", label="mass recall (selection used)")
+    ax.plot(xs, [r["best_mass_recall"] for r in layers], "s--", label="best possible (true top-k)")
+    fp8 = [(r["layer"], r["fp8_vs_exact_recall"]) for r in layers if r["fp8_vs_exact_recall"] is not None]
+    if fp8:
+        ax.plot(*zip(*fp8), "^:", label="FP8 vs exact top-k recall")
+    for r in layers:
+        if not r["runs_indexer"]:
+            ax.axvspan(r["layer"] - 0.5, r["layer"] + 0.5, color="0.9", zorder=0)
+    ax.set(xlabel="layer (shaded: reuses an earlier selection)", ylabel="recall", ylim=(0, 1.05),
+           title=f"top-{result['args']['index_topk']} recall by layer")
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir, "recall_by_layer.png"))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    pos = [r for r in result["by_position"] if r["mass_recall"] is not None]
+    ax.plot([r["position"] for r in pos], [r["mass_recall"] for r in pos], "o-", label="mass recall")
+    ax.plot([r["position"] for r in pos], [r["best_mass_recall"] for r in pos], "s--", label="best possible")
+    ax.set(xlabel="query position", ylabel="attention mass captured (mean over layers)", ylim=(0, 1.05))
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir, "recall_by_position.png"))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ks = [r for r in result["by_k"] if r["mass_recall"] is not None]
+    ax.plot([r["k"] for r in ks], [r["mass_recall"] for r in ks], "o-", label="mass recall")
+    ax.plot([r["k"] for r in ks], [r["best_mass_recall"] for r in ks], "s--", label="best possible")
+    fk = [r for r in ks if r["fp8_vs_exact_recall"] is not None]
+    ax.plot([r["k"] for r in fk], [r["fp8_vs_exact_recall"] for r in fk], "^:", label="FP8 vs exact")
+    ax.set(xscale="log", xlabel="k", ylabel="recall (mean over layers)", ylim=(0, 1.05))
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir, "recall_by_k.png"))
+    return paths
+
+
+def _save(fig, out_dir, name):
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path
+
+
+def run(args) -> int:
+    from .model import DSAModel
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    ks = sorted({int(k) for k in args.topk.split(",")})
+    if args.checkpoint:
+        model = DSAModel.from_pretrained(args.checkpoint, dtype=dtype, device=device)
+    else:
+        model = DSAModel.random(PRESETS[args.preset](), seed=args.seed, dtype=dtype, device=device)
+    cfg = model.config
+    if args.tokens:
+        ids = torch.tensor(load_tokens(args.tokens), dtype=torch.long)
+    else:
+        ids = torch.randint(0, cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(args.seed))
+    result = measure(model, ids, ks, args.queries, args.seed)
+    ks = [r["k"] for r in result["by_k"]]
+    from .bench.harness import env_info
+    result = {"args": {**{k: v for k, v in vars(args).items() if k != "func"}, "index_topk": cfg.index_topk,
+                       "context": ids.numel(), "topk_sweep": ks, "dtype": str(dtype),
+                       "init": "random normal(0, 0.02), norms 1, seed --seed" if not args.checkpoint else "checkpoint"},
+              "env": {**env_info(), "platform": platform.platform()}, **result}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "recall.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    plots = plot(result, args.out)
+    print(summary(result))
+    print(f"wrote {path} and {', '.join(os.path.basename(p) for p in plots)}")
+    return 0
+
+
+def summary(result: dict) -> str:
+    a = result["args"]
+    lines = [f"top-k recall, k={a['index_topk']}, context {a['context']}, {len(result['by_position'])} queries "
+             f"({a.get('checkpoint') or 'random ' + str(a.get('preset'))} weights)",
+             "layer  indexer  fp8-vs-exact  mass  best  reused"]
+    fmt = lambda x: "   -  " if x is None else f"{x:6.3f}"  # noqa: E731
+    for r in result["layers"]:
+        lines.append(f"{r['layer']:5d}  {'own' if r['runs_indexer'] else 'reuse':7s}  {fmt(r['fp8_vs_exact_recall'])}"
+                     f"        {fmt(r['mass_recall'])} {fmt(r['best_mass_recall'])} {fmt(r['reused_mass_recall'])}")
+    lines.append("by k: " + ", ".join(f"k={r['k']}: mass {fmt(r['mass_recall']).strip()} / best "
+                                      f"{fmt(r['best_mass_recall']).strip()}" for r in result["by_k"]))
+    return "\n".join(lines)
