@@ -217,9 +217,11 @@ def _topk_pass_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, st
                         n_eq += counts >> 16
 
 
-def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, programs=_PROGRAMS, out=None):
+def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, programs=_PROGRAMS, num_warps=_NUM_WARPS,
+                 out=None):
     """Launch the passes (one when ``L <= k``: every row is dense). ``slots``: ``(block_table,
-    row_to_req, seq_lens, block_size)`` to write slots; ``block``/``programs``/``out`` for tests."""
+    row_to_req, seq_lens, block_size)`` to write slots; ``block``/``programs``/``num_warps``/``out``
+    for tests and tuning."""
     r, width = logits.shape
     assert block < 65536  # per-step counts are packed 16 bits apiece
     if out is None:
@@ -253,7 +255,7 @@ def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, progra
             bt, bt.stride(0), row_to_req, seq_lens, bt.shape[1], block_size,
             width, k, chunks, chunk,
             PASS=p, HAS_STARTS=starts is not None, SLOTS=slots is not None,
-            BLOCK=block, STEP=_CHUNK_STEP, num_warps=_NUM_WARPS)
+            BLOCK=block, STEP=_CHUNK_STEP, num_warps=num_warps)
     return out
 
 

@@ -22,7 +22,7 @@ def check_topk(out, logits, lengths, k, starts=None, ref=None):
     st = torch.zeros(r, dtype=torch.long, device=logits.device) if starts is None else starts.long()
     ln = torch.minimum(lengths.long(), (width - st).clamp_min(0)).clamp_min(0)
     slot = torch.arange(k, device=logits.device)
-    written = slot[None, :] < torch.minimum(ln, torch.tensor(k))[:, None]  # [R, k]
+    written = slot[None, :] < ln.clamp_max(k)[:, None]  # [R, k]
     out = out.long()
     assert torch.all(out[~written] == -1), "padding must be -1 at the end of the row"
     assert torch.all((out >= 0) & (out < ln[:, None]) | ~written), "positions out of range"

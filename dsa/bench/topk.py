@@ -1,11 +1,25 @@
-"""``dsa bench topk``: top-2048 of each logits row, torch.topk in the same run."""
+"""``dsa bench topk``: top-2048 of each logits row (Triton ``topk_indices`` / ``topk_slots``), torch.topk
+and the torch reference in the same run. Bytes: the logits read once (the floor)."""
 import torch
 
-from dsa.kernels import topk_indices_reference
+from dsa.kernels import topk_indices, topk_indices_reference, topk_slots
+from dsa.kernels.topk import _order_key
+from dsa.testing import random_block_tables
 
 from .harness import result_row
 
 K = 2048
+P = 64
+TARGET_US = {65536: 20.0, 131072: 35.0}
+
+
+def _check(out, logits, lengths):
+    """Tie-aware: per row the multiset of selected values (as order keys) equals the reference's."""
+    ref = topk_indices_reference(logits, lengths, K)
+    keys = _order_key(logits)
+    mine, theirs = keys.gather(1, out.long()).sort(dim=1).values, keys.gather(1, ref.long()).sort(dim=1).values
+    if not torch.equal(mine, theirs):
+        raise RuntimeError(f"topk_indices differs from the reference at {list(logits.shape)}")
 
 
 def run(device, timer, ceilings, args) -> list:
@@ -14,10 +28,20 @@ def run(device, timer, ceilings, args) -> list:
     for b, l in shapes:
         logits = torch.randn(b, l, device=device)
         lengths = torch.full((b,), l, dtype=torch.int32, device=device)
+        shape, nbytes = dict(B=b, L=l, k=K), b * l * 4
         t = timer(lambda: torch.topk(logits, K, dim=1))
-        rows.append(result_row("topk", "torch.topk", dict(B=b, L=l, k=K), t, ceilings, bytes_moved=b * l * 4))
+        rows.append(result_row("topk", "torch.topk", shape, t, ceilings, bytes_moved=nbytes))
+        _check(topk_indices(logits, lengths, K, backend="triton"), logits, lengths)
+        t = timer(lambda: topk_indices(logits, lengths, K, backend="triton"))
+        rows.append(result_row("topk_indices", "triton", shape, t, ceilings, bytes_moved=nbytes,
+                               target_us=TARGET_US.get(l)))
+        if l in TARGET_US:
+            table, _ = random_block_tables([l] * b, P)
+            table, row_to_req = table.to(device), torch.arange(b, dtype=torch.int32, device=device)
+            t = timer(lambda: topk_slots(logits, lengths, K, table, row_to_req, lengths, P, backend="triton"))
+            rows.append(result_row("topk_slots", "triton", dict(shape, P=P), t, ceilings, bytes_moved=nbytes,
+                                   target_us=TARGET_US[l]))
         if (b, l) == (64, 65536):
             t = timer(lambda: topk_indices_reference(logits, lengths, K), reps=10)
-            rows.append(result_row("topk_indices", "torch-reference", dict(B=b, L=l, k=K), t, ceilings,
-                                   bytes_moved=b * l * 4))
+            rows.append(result_row("topk_indices", "torch-reference", shape, t, ceilings, bytes_moved=nbytes))
     return rows

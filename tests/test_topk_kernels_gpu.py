@@ -1,0 +1,114 @@
+"""Triton top-k on a CUDA GPU at production shapes (marker ``gpu``).
+
+``k`` 2048 and 4096 over rows of 64K, 128K and 1M columns: adversarial rows (ties far beyond any
+bounded candidate buffer, 10-bit values, NaN/inf inside and past the length, -inf rows), lengths
+0, 1, k-1, k, k+1 and starts != 0, compared with the reference tie-aware; ``topk_slots`` equal to
+``positions_to_slots`` of the same selection; 20 runs bitwise equal; CUDA-graph capture and replay.
+"""
+import pytest
+import torch
+
+from dsa import kernels as K
+from dsa.kernels.slots import positions_to_slots_reference
+from dsa.kernels.topk import topk_indices_reference
+from dsa.testing import random_block_tables
+from test_topk_kernels import adversarial_rows, check_topk
+
+pytestmark = pytest.mark.gpu
+P = 64
+
+
+def _rows(r, width, k, seed):
+    """``r`` rows: the adversarial kinds, then random rows with lengths 0, 1, k-1, k, k+1 and starts."""
+    g = torch.Generator().manual_seed(seed)
+    logits, lengths, starts = adversarial_rows(width, k, g)
+    extra = r - logits.shape[0]
+    more = torch.randn(extra, width, generator=g)
+    more[::4] = (more[::4] * 32).round()  # ties at the threshold
+    special = [0, 1, k - 1, k, k + 1][:extra]
+    n_rand = max(0, extra // 2 - len(special))
+    more_len = torch.cat((torch.tensor(special), torch.randint(min(k + 2, width), width + 2, (n_rand,), generator=g),
+                          torch.full((extra - len(special) - n_rand,), width))).to(torch.int32)
+    more_start = torch.zeros(extra, dtype=torch.int32)
+    more_start[1::3] = torch.randint(0, width // 2, (len(range(1, extra, 3)),), generator=g).int()
+    return [x.cuda() for x in (torch.cat((logits, more)), torch.cat((lengths, more_len)),
+                               torch.cat((starts, more_start)))]
+
+
+@pytest.mark.parametrize("r,width,k", [(64, 65536, 2048), (64, 131072, 2048), (24, 131072, 4096),
+                                       (16, 4096, 2048), (12, 2048, 2048)],
+                         ids=["64x64K-k2048", "64x128K-k2048", "24x128K-k4096", "16x4K-k2048", "12x2K-dense"])
+def test_matches_reference_tie_aware(r, width, k):
+    logits, lengths, starts = _rows(r, width, k, seed=width + k)
+    out = K.topk_indices(logits, lengths, k, starts)
+    check_topk(out, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
+
+
+@pytest.mark.parametrize("k", [2048, 4096], ids=lambda k: f"k{k}")
+def test_million_columns(k):
+    g = torch.Generator().manual_seed(k)
+    width = 1 << 20
+    logits = torch.randn(3, width, generator=g)
+    logits[1] = (logits[1] * 16).round()  # ~100 distinct values: a huge tie at the threshold
+    logits[2] = 5.0
+    logits = logits.cuda()
+    lengths = torch.tensor([width, width - 1000, width], dtype=torch.int32, device="cuda")
+    starts = torch.tensor([0, 700, 0], dtype=torch.int32, device="cuda")
+    out = K.topk_indices(logits, lengths, k, starts)
+    check_topk(out, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
+    assert torch.equal(out[2].cpu(), torch.arange(k, dtype=torch.int32))  # ties: the first k columns
+
+
+def _slots_inputs(r, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(width // 2, width + 1, (r,), generator=g)
+    seq[0] = width
+    table, _ = random_block_tables(seq.tolist(), P, generator=g, extra_blocks=8)
+    table = table[:, :-1]  # the last page of the longest requests falls outside the table
+    return table.cuda(), torch.arange(r, dtype=torch.int32).flip(0).cuda(), seq.to(torch.int32).cuda()
+
+
+def test_slots_equal_positions_to_slots():
+    r, width, k = 64, 65536, 2048
+    logits, lengths, starts = _rows(r, width, k, seed=5)
+    table, row_to_req, seq_lens = _slots_inputs(r, width, seed=5)
+    pos = K.topk_indices(logits, lengths, k, starts)
+    slots = K.topk_slots(logits, lengths, k, table, row_to_req, seq_lens, P, starts)
+    assert torch.equal(slots, positions_to_slots_reference(pos, table, row_to_req, seq_lens, P))
+
+
+def test_twenty_runs_bitwise_equal():
+    r, width, k = 64, 131072, 2048
+    logits, lengths, starts = _rows(r, width, k, seed=7)
+    table, row_to_req, seq_lens = _slots_inputs(r, width, seed=7)
+    first = K.topk_indices(logits, lengths, k, starts)
+    first_slots = K.topk_slots(logits, lengths, k, table, row_to_req, seq_lens, P, starts)
+    for _ in range(19):
+        assert torch.equal(K.topk_indices(logits, lengths, k, starts), first)
+        assert torch.equal(K.topk_slots(logits, lengths, k, table, row_to_req, seq_lens, P, starts), first_slots)
+
+
+def test_cuda_graph_capture_and_replay():
+    r, width, k = 16, 65536, 2048
+    logits, lengths, starts = _rows(r, width, k, seed=9)
+    table, row_to_req, seq_lens = _slots_inputs(r, width, seed=9)
+    run = lambda: K.topk_slots(logits, lengths, k, table, row_to_req, seq_lens, P, starts)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed in (10, 11):
+        fresh, fresh_len, fresh_start = _rows(r, width, k, seed=seed)
+        logits.copy_(fresh)
+        lengths.copy_(fresh_len)
+        starts.copy_(fresh_start)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run())
+        pos = K.topk_indices(logits, lengths, k, starts)
+        check_topk(pos, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
+        assert torch.equal(out, positions_to_slots_reference(pos, table, row_to_req, seq_lens, P))
