@@ -53,11 +53,15 @@ def _install_interpreter_fix():
     builder = interp.InterpreterBuilder
     cast_impl, fp_to_fp, create_dot = builder.cast_impl, builder.create_fp_to_fp, builder.create_dot
 
+    # `is None`, never `or`: a TensorHandle's truth value is data.all(), so a result holding a zero
+    # would fall back to the interpreter's wrong rounding
     def cast(self, src, dst_type):
-        return convert(src, dst_type) or cast_impl(self, src, dst_type)
+        out = convert(src, dst_type)
+        return cast_impl(self, src, dst_type) if out is None else out
 
     def fp_to_fp_fixed(self, src, dst_type, rounding_mode):
-        return convert(src, dst_type) or fp_to_fp(self, src, dst_type, rounding_mode)
+        out = convert(src, dst_type)
+        return fp_to_fp(self, src, dst_type, rounding_mode) if out is None else out
 
     def upcast(h):
         return convert(h, tl.float32) if h.dtype.scalar == tl.bfloat16 else h

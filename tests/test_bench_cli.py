@@ -49,15 +49,19 @@ def test_result_row_and_file(tmp_path):
     assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb"
 
 
-@pytest.mark.parametrize("argv,issue", [(["bench", "layer"], 7), (["bench", "crossover"], 7)])
-def test_unbuilt_commands_say_so(argv, issue, capsys):
-    assert main(argv) == 2
-    err = capsys.readouterr()
-    assert f"issue #{issue}" in err.out + err.err
+def test_plot_from_fixture(tmp_path):
+    shutil.copy(FIXTURE, tmp_path / "indexer-h200-2026-11-29.json")
+    doc = json.loads((tmp_path / "indexer-h200-2026-11-29.json").read_text())
+    row = dict(doc["rows"][0], median_us=300.0, bytes=2 * doc["rows"][0]["bytes"])
+    row["shape"] = dict(row["shape"], S=131072)
+    doc["rows"].append(row)
+    (tmp_path / "indexer-h200-2026-11-29.json").write_text(json.dumps(doc))
+    assert main(["bench", "plot", "--results", str(tmp_path), "--figures", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "time_vs_context.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
-@pytest.mark.parametrize("op", ["ceilings", "indexer", "topk", "mla"])
+@pytest.mark.parametrize("op", ["ceilings", "indexer", "topk", "mla", "layer", "crossover"])
 def test_timing_refuses_without_cuda(op):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["bench", op])
@@ -66,3 +70,14 @@ def test_timing_refuses_without_cuda(op):
 def test_module_entry_point():
     out = subprocess.run([sys.executable, "-m", "dsa", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "bench" in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["layer", "crossover"])
+def test_layer_and_crossover_benchmarks_run(op, tmp_path):
+    assert main(["bench", op, "--quick", "--reps", "3", "--out", str(tmp_path)]) == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert any(f.startswith(op) for f in files)
+    if op == "crossover":
+        thresholds = json.loads(next(tmp_path.glob("dispatch_*.json")).read_text())
+        assert {"decode_sparse_max_len", "prefill_mha_min_query"} <= set(thresholds)

@@ -4,7 +4,6 @@ Key write and query prep: written bytes equal the reference exactly. Paged and r
 ``calc_diff < 1e-6`` over finite entries and identical ``-inf`` masks; outputs are NaN-poisoned
 before the kernels write them. The GPU twin of this file is ``test_indexer_kernels_gpu.py``.
 """
-import numpy as np
 import pytest
 import torch
 
@@ -14,52 +13,6 @@ from dsa.testing import calc_diff, random_block_tables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not TRITON_INTERPRET, reason="needs CUDA or TRITON_INTERPRET=1")
-
-
-def _torch_cast(src, dst_type):
-    """A float<->float conversion of an interpreter tensor through torch (round to nearest even), or None."""
-    import triton.language as tl
-    from triton.runtime import interpreter as interp
-    types = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
-             tl.float64: torch.float64, tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
-    bits = {torch.bfloat16: (torch.int16, np.int16), torch.float8_e4m3fn: (torch.uint8, np.uint8),
-            torch.float8_e5m2: (torch.uint8, np.uint8)}
-    s, d = types.get(src.dtype.scalar), types.get(dst_type.scalar)
-    if s is None or d is None or s == d:
-        return None
-    data = np.ascontiguousarray(src.data)
-    x = torch.from_numpy(data.view(bits[s][1]) if s in bits else data).view(s).to(d)
-    out = x.view(bits[d][0]).numpy() if d in bits else x.numpy()
-    if d == torch.bfloat16:
-        out = out.view(np.uint16)  # the interpreter's bf16 storage
-    return interp.TensorHandle(out.reshape(data.shape), dst_type.scalar)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def exact_interpreter_casts():
-    """conftest's interpreter fix writes ``convert(...) or fallback``; the interpreter's
-    ``TensorHandle.__bool__`` is ``data.all()``, so any result holding a zero falls back to the
-    interpreter's own (wrong) fp32->e4m3/bf16 rounding. Route every float conversion through torch
-    for this module's kernels."""
-    if DEVICE == "cuda":
-        yield
-        return
-    from triton.runtime import interpreter as interp
-    builder = interp.InterpreterBuilder
-    names = ("cast_impl", "create_fp_to_fp", "create_fp_ext", "create_fp_trunc")
-    saved = {name: getattr(builder, name) for name in names}
-
-    def wrap(inner):
-        def cast(self, src, dst_type, *rest):
-            out = _torch_cast(src, dst_type)
-            return inner(self, src, dst_type, *rest) if out is None else out
-        return cast
-
-    for name in names:
-        setattr(builder, name, wrap(saved[name]))
-    yield
-    for name, fn in saved.items():
-        setattr(builder, name, fn)
 
 
 @pytest.fixture

@@ -8,26 +8,30 @@ TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> row
     "indexer": "dsa.bench.indexer",
     "topk": "dsa.bench.topk",
     "mla": "dsa.bench.mla",
+    "layer": "dsa.bench.layer",
+    "crossover": "dsa.bench.crossover",
 }
-NOT_BUILT = {"layer": 7, "crossover": 7, "plot": 7}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks on a CUDA GPU (ceilings, indexer, topk, mla) and reports")
-    p.add_argument("op", choices=["ceilings", *TIMED, "render", *NOT_BUILT])
+    p.add_argument("op", choices=["ceilings", *TIMED, "render", "plot"])
     p.add_argument("--out", default="benchmarks/results", help="folder for the result JSON (default: %(default)s)")
     p.add_argument("--reps", type=int, default=30, help="timed calls per row (median reported)")
     p.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
-    p.add_argument("--results", default="benchmarks/results", help="render: folder of result JSON")
+    p.add_argument("--results", default="benchmarks/results", help="render, plot: folder of result JSON")
+    p.add_argument("--figures", default="benchmarks/figures", help="plot: folder for the PNGs")
     p.add_argument("--readme", default=None, help="render: README to update between the perf markers")
     p.add_argument("--git-sha", default=None, help="record this commit (default: `git rev-parse HEAD` here)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    if args.op in NOT_BUILT:
-        print(f"dsa bench {args.op}: not built yet (arrives with issue #{NOT_BUILT[args.op]})")
-        return 2
+    if args.op == "plot":
+        from .plot import plot_results
+        paths = plot_results(args.results, args.figures)
+        print("wrote " + (", ".join(paths) if paths else "nothing (no result rows with a context length)"))
+        return 0
     if args.op == "render":
         from .report import render_command
         return render_command(args.results, args.readme)

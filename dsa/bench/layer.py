@@ -1,0 +1,89 @@
+"""``dsa bench layer``: one DSA layer's decode step at V3.2 shapes against the dense absorbed decode.
+
+Attention part (what DSA changes): indexer query prep + paged logits, top-k to slots, sparse MLA
+over the selected rows; dense: the absorbed decode over the whole context. Projections (q/kv
+down and up, absorption, W_UV, o_proj, the indexer's own projections) are timed apart and added
+for the "with projections" columns. Caches are random bytes of the right formats.
+"""
+import torch
+
+from dsa.config import DSAConfig
+from dsa.kernels import (dense_mla_decode, indexer_logits_paged, indexer_query_prep, sparse_mla, topk_slots,
+                         yarn_cos_sin)
+from dsa.model import DSAModel
+from dsa.testing import random_block_tables
+
+from .harness import result_row
+
+P, K = 64, 2048
+
+
+def _layer(device):
+    cfg = DSAConfig.deepseek_v32(num_hidden_layers=1, n_routed_experts=None, vocab_size=256)
+    return DSAModel.random(cfg, seed=0, dtype=torch.bfloat16, device=device).layers[0].self_attn
+
+
+def _caches(b: int, s: int, device, g):
+    table, nb = random_block_tables([s] * b, P, generator=g)
+    latent = (torch.randn(nb, P, 576, device=device) * 0.5).to(torch.bfloat16)
+    index = torch.empty(nb, P * 132, dtype=torch.uint8, device=device)
+    index[:, :P * 128] = (torch.randn(nb, P * 128, device=device).clamp(-8, 8).to(torch.float8_e4m3fn)
+                          .view(torch.uint8))
+    index[:, P * 128:].view(torch.float32).copy_(torch.rand(nb, P, device=device) + 0.5)
+    return latent, index, table.to(device)
+
+
+def run(device, timer, ceilings, args) -> list:
+    attn = _layer(device)
+    c = attn.config
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    shapes = [(64, 131072)] if args.quick else [(b, s) for b in (1, 64) for s in (8192, 32768, 131072)]
+    for b, s in shapes:
+        latent, index, table = _caches(b, s, device, g)
+        lens = torch.full((b,), s, dtype=torch.int32, device=device)
+        req = torch.arange(b, dtype=torch.int32, device=device)
+        x = torch.randn(b, c.hidden_size, device=device, dtype=torch.bfloat16)
+        pos = lens.long() - 1
+        cos, sin = (t.to(device) for t in yarn_cos_sin(s, c.qk_rope_head_dim, c.rope_theta, c.rope_scaling))
+        qr, q_nope, q_pe, kv_c, k_pe = attn.project(x, pos, cos, sin)
+        q_abs = attn.absorbed_query(q_nope, q_pe)
+        iq, _, iw = attn.indexer.project(x, qr, pos, cos, sin)
+
+        def dsa_attention(backend="auto"):
+            q8, w = indexer_query_prep(iq, iw, True, backend=backend)
+            logits = indexer_logits_paged(q8.unsqueeze(1), w.unsqueeze(1), index, table, lens, P, max_seq_len=s,
+                                          backend=backend)
+            slots = topk_slots(logits, lens, K, table, req, lens, P, backend=backend)
+            return sparse_mla(q_abs, latent, slots, attn.softmax_scale, backend=backend)
+
+        def dense_attention(backend="auto"):
+            return dense_mla_decode(q_abs.unsqueeze(1), latent, table, lens, attn.softmax_scale, backend=backend)
+
+        def projections():
+            qr_, qn, qp, _, _ = attn.project(x, pos, cos, sin)
+            attn.absorbed_query(qn, qp)
+            attn.indexer.project(x, qr_, pos, cos, sin)
+            return attn.o_proj(attn._up_v(q_abs[..., :512]).flatten(1))
+
+        for fn in (dsa_attention, dense_attention):  # correctness before timing: against the torch references
+            got, want = fn()[0].float(), fn("torch")[0].float()
+            err = float((got - want).abs().max() / want.abs().max())
+            assert err < 2e-2, f"{fn.__name__} at B={b} S={s}: relative error {err:.3g} against the references"
+        t_dsa = timer(dsa_attention)
+        t_dense = timer(dense_attention)
+        t_proj = timer(projections)
+        shape = dict(B=b, N=1, S=s, H=c.num_attention_heads, K=K)
+        speedup = t_dense["median_us"] / t_dsa["median_us"]
+        with_proj = (t_dense["median_us"] + t_proj["median_us"]) / (t_dsa["median_us"] + t_proj["median_us"])
+        rows.append(result_row("layer_dsa_attention", "triton", shape, t_dsa, ceilings,
+                               speedup_vs_dense=speedup, speedup_with_projections=with_proj,
+                               projections_us=t_proj["median_us"], target_speedup=8.0 if (b, s) == (64, 131072) else None))
+        rows.append(result_row("layer_dense_attention", "triton", shape, t_dense, ceilings,
+                               bytes_moved=b * s * 1152, flops=2 * b * c.num_attention_heads * s * (576 + 512),
+                               bound="bf16"))
+        rows.append(result_row("layer_projections", "torch", dict(B=b), t_proj, ceilings))
+        del latent, index
+        torch.cuda.empty_cache()
+    return rows
+
