@@ -113,7 +113,7 @@ class DSAAttention(nn.Module):
         reqs = torch.tensor([s.req for s in segs], device=rows.device)
         table, lens = plan.block_table[reqs], plan.seq_lens[reqs]
         if plan.decode_sparse_kernel:  # the same function through the sparse kernel, every position selected
-            width = int(max(s.seq_len for s in segs))
+            width = -(-max(s.seq_len for s in segs) // 16) * 16  # the Triton kernel takes K in multiples of 16
             positions = torch.arange(width, dtype=torch.int32, device=rows.device).expand(len(segs), width)
             slots = positions_to_slots(positions.contiguous(), table,
                                        torch.arange(len(segs), dtype=torch.int32, device=rows.device), lens,

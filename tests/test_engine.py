@@ -121,3 +121,16 @@ def test_engine_arguments():
         Engine(m)
     e = Engine(m, memory_bytes=10 << 20)
     assert e.capacity_tokens == e.num_blocks * 16 > 0
+
+
+def test_dense_decode_through_the_sparse_kernel_is_the_same_function(model):
+    p = prompt(12, 14)
+    dense = Engine(model, num_blocks=4).generate([p], 3)[0]
+    saved = model.dispatch
+    model.dispatch = dataclasses.replace(saved, decode_sparse_max_len=16)
+    try:
+        engine = Engine(model, num_blocks=4)
+        via_sparse = engine.generate([p], 3)[0]
+    finally:
+        model.dispatch = saved
+    assert via_sparse == dense and engine.stats["rows"]["dense_decode"] == 2
