@@ -65,3 +65,14 @@ def test_bad_plans_are_refused():
         BatchPlan.build([5], [60], [[0, 1]], 16, "cpu")
     with pytest.raises(ValueError, match="query_lens"):
         BatchPlan.build([0], [0], [[0]], 16, "cpu")
+
+
+def test_model_reads_the_thresholds_it_is_given(tmp_path):
+    from dsa import DSAModel
+    path = tmp_path / "dispatch_test.json"
+    path.write_text(json.dumps({"decode_sparse_max_len": 32, "prefill_mha_min_query": 8}))
+    model = DSAModel.random(DSAConfig.tiny(num_hidden_layers=1, dispatch_thresholds=str(path)), dtype=torch.float32,
+                            device="cpu")
+    assert model.dispatch.source == "dispatch_test.json" and model.dispatch.decode_sparse_max_len == 32
+    assert DSAModel.random(DSAConfig.tiny(num_hidden_layers=1), dtype=torch.float32, device="cpu").dispatch.source \
+        == "analytic"  # no file and no GPU: the seed's rule
