@@ -200,6 +200,7 @@ def _mla_combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, TOTAL_ROWS
 
 
 _SM_COUNT = {}
+MAX_SPLITS = 64  # programs one query row's keys are split over (the combine kernel reads them at once)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -214,12 +215,14 @@ def _sm_count(device: torch.device) -> int:
 
 def _tiles(device: torch.device, rows: int) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages): 64 query rows per program on the GPU (wgmma needs
-    M = 64), two warpgroups splitting the 512-wide accumulator; 16 x 16 tiles under the interpreter."""
+    M = 64), two warpgroups splitting the 512-wide fp32 accumulator (128 registers a thread); 32 keys a
+    tile in 3 stages keeps q (74 KB) and the gathered tiles in 148 KB of shared memory. 16 x 16 tiles
+    under the interpreter."""
     if device.type != "cuda":
         return 16, 16, 4, 1
     if rows <= 16:
         return 16, 64, 4, 2
-    return 64, 64, 8, 2
+    return 64, 32, 8, 3
 
 
 def mla_attention_triton(q_rows, latent_cache, rows, groups, *, slots=None, block_table=None, seq_lens=None,
@@ -243,7 +246,7 @@ def mla_attention_triton(q_rows, latent_cache, rows, groups, *, slots=None, bloc
     stages = num_stages or stages
     programs = groups * triton.cdiv(rows, block_h)
     max_splits = max(1, triton.cdiv(length, 2 * bn))  # at least 2 tiles of keys per split
-    splits = max(1, min(max_splits, _sm_count(device) // programs))
+    splits = max(1, min(max_splits, MAX_SPLITS, _sm_count(device) // programs))
     split_len = max(bn, triton.cdiv(triton.cdiv(length, splits), bn) * bn)
     splits = max(1, triton.cdiv(length, split_len))
     dense = slots is None
@@ -266,8 +269,7 @@ def mla_attention_triton(q_rows, latent_cache, rows, groups, *, slots=None, bloc
         stride_slots, stride_bt, stride_cb, stride_cp, latent_cache.shape[1],
         DENSE=dense, FP8=fp8, SPLIT=splits > 1, BLOCK_H=block_h, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     if splits > 1:
-        _mla_combine_kernel[(total,)](part_out, part_lse, out, lse, total, splits,
-                                      BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+        _mla_combine_kernel[(total,)](part_out, part_lse, out, lse, total, splits, BLOCK_S=MAX_SPLITS, num_warps=4)
     return out, lse
 
 

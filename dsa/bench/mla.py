@@ -1,50 +1,133 @@
-"""``dsa bench mla``: sparse absorbed MLA decode/prefill and dense absorbed decode."""
+"""``dsa bench mla``: sparse absorbed MLA decode/prefill and dense absorbed decode, Triton and torch reference."""
 import torch
 
-from dsa.kernels import dense_mla_decode_reference, sparse_mla_reference
+from dsa.kernels import (dense_mla_decode, dense_mla_decode_reference, latent_write, sparse_mla,
+                         sparse_mla_reference)
+from dsa.kernels.sparse_mla import mla_attention_triton
 from dsa.testing import random_block_tables
 
 from .harness import result_row
 
-H, D_L, D_V, P = 128, 576, 512, 64
+H, D_L, D_V, P, K = 128, 576, 512, 64, 2048
 SCALE = 0.1352
+ROW_BYTES = {"bf16": D_L * 2, "fp8": 656}
+CTX = 8192  # rows each decode request owns; its slots are drawn from them
+SWEEP = {"bf16": [(64, 2), (32, 2), (16, 4), (32, 4)], "fp8": [(64, 2)]}  # (BLOCK_N, stages) besides the default
 
 
-def sparse_inputs(t: int, k: int, num_tokens: int, device, seed: int = 0):
-    """bf16 queries, a random bf16 latent cache of ``num_tokens`` rows, distinct random slots per row."""
-    g = torch.Generator().manual_seed(seed)
+def latent_caches(num_tokens: int, device, seed: int = 0) -> dict:
+    """The same random rows as a bf16 cache and as a 656-byte FP8 cache (written by latent_write)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     nb = -(-num_tokens // P)
-    cache = torch.randn(nb, P, D_L, generator=g).to(torch.bfloat16)
-    q = (torch.randn(t, H, D_L, generator=g) * 0.1).to(torch.bfloat16)
-    slots = torch.stack([torch.randperm(nb * P, generator=g)[:k] for _ in range(t)]).to(torch.int32)
-    return q.to(device), cache.to(device), slots.to(device)
+    bf16 = torch.randn(nb, P, D_L, generator=g, device=device).to(torch.bfloat16)
+    fp8 = torch.empty(nb, P, ROW_BYTES["fp8"], dtype=torch.uint8, device=device)
+    flat = bf16.view(-1, D_L)
+    latent_write(fp8, flat[:, :D_V], flat[:, D_V:], torch.arange(nb * P, device=device))
+    return {"bf16": bf16, "fp8": fp8}
 
 
-def sparse_cost(t: int, k: int, h: int = H) -> tuple[int, int]:
+def decode_slots(b: int, n: int, device, seed: int = 0) -> torch.Tensor:
+    """[B*N, K] int32: K distinct slots per row among the CTX rows of its own request."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    pick = torch.rand(b * n, CTX, generator=g, device=device).topk(K, dim=1).indices
+    req = torch.arange(b, device=device).repeat_interleave(n)[:, None]
+    return (req * CTX + pick).to(torch.int32)
+
+
+def sparse_cost(t: int, k: int, fmt: str = "bf16", h: int = H) -> tuple[int, int]:
     """(bytes, flops): each selected row read once per query row, q read, out written."""
-    return t * k * D_L * 2 + t * h * (D_L + D_V) * 2 + t * k * 4, 2 * t * h * k * (D_L + D_V)
+    return t * k * ROW_BYTES[fmt] + t * h * (D_L + D_V) * 2 + t * k * 4, 2 * t * h * k * (D_L + D_V)
 
 
-def dense_cost(b: int, s: int, h: int = H) -> tuple[int, int]:
-    return b * s * D_L * 2 + b * h * (D_L + D_V) * 2, 2 * b * h * s * (D_L + D_V)
+def dense_cost(b: int, s: int, n: int = 1, fmt: str = "bf16", h: int = H) -> tuple[int, int]:
+    return b * s * ROW_BYTES[fmt] + b * n * h * (D_L + D_V) * 2, 2 * b * n * h * s * (D_L + D_V)
+
+
+def check(got, want, what: str) -> None:
+    """DESIGN section 8 tolerances against the reference on the same inputs, before any timing."""
+    out, lse = got
+    ref_out, ref_lse = want
+    err = ((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item()
+    lse_err = (lse - ref_lse).abs().max().item()
+    if not (err < 2e-2 and lse_err < 1e-3):
+        raise SystemExit(f"dsa bench mla: {what} disagrees with the reference (out {err:.3g}, lse {lse_err:.3g})")
+
+
+def add(rows: list, row: dict) -> None:
+    """Keep a row and print it at once (a long run shows progress)."""
+    rows.append(row)
+    print(f"{row['name']} {row['impl']} {row['shape']}: {row['median_us']:.1f} us, "
+          f"{row.get('tflops', 0):.0f} TFLOP/s, {row.get('tbps', 0):.2f} TB/s", flush=True)
 
 
 def run(device, timer, ceilings, args) -> list:
     rows = []
-    b, k = 64, 2048
-    q, cache, slots = sparse_inputs(b, k, 64 * 4096, device)
-    t = timer(lambda: sparse_mla_reference(q, cache, slots, SCALE), reps=5)
-    nbytes, flops = sparse_cost(b, k)
-    rows.append(result_row("sparse_mla_decode", "torch-reference", dict(B=b, N=1, H=H, K=k, cache="bf16"), t,
-                           ceilings, bytes_moved=nbytes, flops=flops, bound="bf16"))
-    b, s = 64, 32768
-    table, nb = random_block_tables([s] * b, P)
-    cache = torch.randn(nb, P, D_L).to(torch.bfloat16).to(device)
-    qd = (torch.randn(b, 1, H, D_L) * 0.1).to(torch.bfloat16).to(device)
-    lens = torch.full((b,), s, dtype=torch.int32, device=device)
+    bf16_rate = ceilings["bf16_tflops"]
+    caches = latent_caches(128 * CTX, device)
+    # sparse decode: T = B * N rows, K = 2048 slots each
+    shapes = [(64, 1)] if args.quick else [(b, n) for n in (1, 2) for b in (1, 64, 128)]
+    for b, n in shapes:
+        slots = decode_slots(b, n, device)
+        q = (torch.randn(b * n, H, D_L, device=device) * 0.1).to(torch.bfloat16)
+        for fmt, cache in caches.items():
+            check(sparse_mla(q[:8], cache, slots[:8], SCALE), sparse_mla_reference(q[:8], cache, slots[:8], SCALE),
+                  f"sparse decode {fmt}")
+            t = timer(lambda: sparse_mla(q, cache, slots, SCALE))
+            nbytes, flops = sparse_cost(b * n, K, fmt)
+            target = {(64, 1, "bf16"): 85.0, (64, 1, "fp8"): 95.0}.get((b, n, fmt))
+            extra = {"target_tflops": 450.0} if (b, n, fmt) == (128, 2, "bf16") else {}
+            add(rows, result_row("sparse_mla_decode", "triton", dict(B=b, N=n, H=H, K=K, cache=fmt), t, ceilings,
+                                   bytes_moved=nbytes, flops=flops, bound="bf16", target_us=target, **extra))
+            if (b, n) == (64, 1):
+                for bn, stages in SWEEP[fmt]:
+                    fn = lambda: mla_attention_triton(q.view(-1, D_L), cache, H, b * n, slots=slots,  # noqa: E731
+                                                      length=K, softmax_scale=SCALE, block_n=bn, num_stages=stages)
+                    try:
+                        fn()
+                    except Exception as exc:  # a config that does not fit (registers, shared memory)
+                        print(f"sparse decode {fmt} BLOCK_N={bn} stages={stages}: {type(exc).__name__} {exc}"[:300])
+                        continue
+                    t = timer(fn)
+                    add(rows, result_row("sparse_mla_decode", f"triton BLOCK_N={bn} stages={stages}",
+                                           dict(B=b, N=n, H=H, K=K, cache=fmt), t, ceilings, bytes_moved=nbytes,
+                                           flops=flops, bound="bf16"))
+        if (b, n) == (64, 1):
+            t = timer(lambda: sparse_mla_reference(q, caches["bf16"], slots, SCALE), reps=5)
+            nbytes, flops = sparse_cost(b * n, K)
+            add(rows, result_row("sparse_mla_decode", "torch-reference", dict(B=b, N=n, H=H, K=K, cache="bf16"),
+                                   t, ceilings, bytes_moved=nbytes, flops=flops, bound="bf16"))
+    # sparse prefill: 4096 query tokens of one 64K-token request
+    tp = 4096
+    g = torch.Generator(device=device).manual_seed(1)
+    slots = torch.rand(tp, 65536, generator=g, device=device).topk(K, dim=1).indices.to(torch.int32)
+    q = (torch.randn(tp, H, D_L, device=device) * 0.1).to(torch.bfloat16)
+    for fmt in ("bf16",) if args.quick else ("bf16", "fp8"):
+        cache = caches[fmt]
+        check(sparse_mla(q[:8], cache, slots[:8], SCALE), sparse_mla_reference(q[:8], cache, slots[:8], SCALE),
+              f"sparse prefill {fmt}")
+        t = timer(lambda: sparse_mla(q, cache, slots, SCALE), reps=10)
+        nbytes, flops = sparse_cost(tp, K, fmt)
+        extra = {"target_tflops": 550.0} if fmt == "bf16" else {}
+        add(rows, result_row("sparse_mla_prefill", "triton", dict(T=tp, H=H, K=K, cache=fmt), t, ceilings,
+                               bytes_moved=nbytes, flops=flops, bound="bf16", **extra))
+    del caches, slots, q
+    # dense absorbed decode, B = 64 requests of S positions in random blocks
+    b = 64
+    s_max = 32768 if args.quick else 131072
+    table, nb = random_block_tables([s_max] * b, P)
     table = table.to(device)
-    t = timer(lambda: dense_mla_decode_reference(qd, cache, table, lens, SCALE), reps=3)
-    nbytes, flops = dense_cost(b, s)
-    rows.append(result_row("dense_mla_decode", "torch-reference", dict(B=b, N=1, H=H, S=s, cache="bf16"), t,
-                           ceilings, bytes_moved=nbytes, flops=flops, bound="bf16"))
+    cache = torch.randn(nb, P, D_L, device=device).to(torch.bfloat16)
+    qd = (torch.randn(b, 1, H, D_L, device=device) * 0.1).to(torch.bfloat16)
+    for s in (32768,) if args.quick else (8192, 32768, 131072):
+        lens = torch.full((b,), s, dtype=torch.int32, device=device)
+        check(dense_mla_decode(qd[:2], cache, table[:2], lens[:2], SCALE),
+              dense_mla_decode_reference(qd[:2], cache, table[:2], lens[:2], SCALE), "dense decode")
+        t = timer(lambda: dense_mla_decode(qd, cache, table, lens, SCALE), reps=10)
+        nbytes, flops = dense_cost(b, s)
+        add(rows, result_row("dense_mla_decode", "triton", dict(B=b, N=1, H=H, S=s, cache="bf16"), t, ceilings,
+                               bytes_moved=nbytes, flops=flops, bound="bf16", target_tflops=0.87 * bf16_rate))
+        if s == 32768:
+            t = timer(lambda: dense_mla_decode_reference(qd, cache, table, lens, SCALE), reps=3)
+            add(rows, result_row("dense_mla_decode", "torch-reference", dict(B=b, N=1, H=H, S=s, cache="bf16"),
+                                   t, ceilings, bytes_moved=nbytes, flops=flops, bound="bf16"))
     return rows

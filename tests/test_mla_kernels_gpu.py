@@ -1,0 +1,163 @@
+"""Triton sparse MLA, dense absorbed decode and latent write on the GPU at production shapes."""
+import pytest
+import torch
+
+from dsa import kernels as K
+from dsa.kernels.slots import positions_to_slots_reference
+from dsa.testing import owned_slots, poison_unowned_rows, random_block_tables
+
+pytestmark = pytest.mark.gpu
+P = 64
+SCALE = 0.1352
+DEV = "cuda"
+
+
+def dirty_allocator():
+    """Leave NaN in the memory the caching allocator hands out next, so unwritten outputs fail."""
+    junk = torch.full((1 << 28,), float("nan"), device=DEV)  # 1 GiB
+    del junk
+
+
+def make_cache(fmt, seq_lens, seed=0):
+    """Paged cache holding ``seq_lens`` requests in random blocks; every row no request owns is NaN."""
+    g = torch.Generator().manual_seed(seed)
+    table, nb = random_block_tables(seq_lens, P, extra_blocks=3, generator=g)
+    table = table.to(DEV)
+    shape = (nb, P, 656) if fmt == "fp8" else (nb, P, 576)
+    cache = torch.zeros(shape, dtype=torch.uint8 if fmt == "fp8" else torch.bfloat16, device=DEV)
+    owned = owned_slots(table, seq_lens, P)
+    n = len(owned)
+    kv_c = (torch.randn(n, 512, device=DEV) * torch.rand(n, 1, device=DEV) * 4).to(torch.bfloat16)
+    K.latent_write(cache, kv_c, torch.randn(n, 64, device=DEV).to(torch.bfloat16), owned)
+    poison_unowned_rows(cache, owned)
+    return cache, table, owned
+
+
+def random_slots(t, k, owned, seed):
+    """Distinct owned slots per row, a random number of them, -1 elsewhere; row 1 all -1."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    pick = torch.rand(t, len(owned), generator=g, device=DEV).topk(k, dim=1).indices  # distinct per row
+    slots = owned[pick].to(torch.int32)
+    n_valid = torch.randint(1, k + 1, (t, 1), generator=g, device=DEV)
+    n_valid[0] = k
+    keep = torch.rand(t, k, generator=g, device=DEV).argsort(dim=1) < n_valid  # -1 scattered in between
+    slots = torch.where(keep, slots, -1)
+    if t > 1:
+        slots[1] = -1
+    return slots
+
+
+def check_attention(out, lse, ref_out, ref_lse):
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.isfinite(out.float()).all()
+    ref = ref_out.float()
+    err = (out.float() - ref).abs().max() / ref.abs().max()
+    assert err < 2e-2, err
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and torch.isneginf(lse[~fin]).all()
+    assert not out[~fin].float().any()
+    if fin.any():
+        assert (lse[fin] - ref_lse[fin]).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("t,h", [(1, 128), (37, 16), (64, 128), (4096, 64)], ids=lambda v: str(v))
+def test_sparse_mla(fmt, t, h):
+    k = 2048
+    cache, table, owned = make_cache(fmt, [3000, 5000], seed=t)
+    q = (torch.randn(t, h, 576, device=DEV) * 0.3).to(torch.bfloat16)
+    slots = random_slots(t, k, owned, seed=h)
+    dirty_allocator()
+    out, lse = K.sparse_mla(q, cache, slots, SCALE)
+    ref_out, ref_lse = K.sparse_mla_reference(q.float(), cache, slots, SCALE)
+    check_attention(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_dense_decode_and_sparse_with_every_position(fmt, n):
+    seq_lens = [1, 2048, 777, 20000, 64]
+    h = 128
+    cache, table, owned = make_cache(fmt, seq_lens, seed=n)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    q = (torch.randn(len(seq_lens), n, h, 576, device=DEV) * 0.3).to(torch.bfloat16)
+    dirty_allocator()
+    out, lse = K.dense_mla_decode(q, cache, table, lens, SCALE)
+    ref_out, ref_lse = K.dense_mla_decode_reference(q.float(), cache, table, lens, SCALE)
+    check_attention(out, lse, ref_out, ref_lse)
+    # requests with S <= 2048: the sparse kernel with every visible position is the same function
+    short = [0, 1, 2, 4]
+    pos = torch.arange(2048, dtype=torch.int32, device=DEV)
+    last = (lens[short, None] - n + torch.arange(n, device=DEV)).reshape(-1)
+    positions = torch.where(pos <= last[:, None], pos, -1).to(torch.int32)
+    row_to_req = torch.tensor(short, dtype=torch.int32, device=DEV).repeat_interleave(n)
+    slots = positions_to_slots_reference(positions, table, row_to_req, lens, P)
+    out_s, lse_s = K.sparse_mla(q[short].flatten(0, 1), cache, slots, SCALE)
+    check_attention(out_s, lse_s, out[short].flatten(0, 1), lse[short].flatten(0, 1))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_latent_write_bytes(fmt):
+    t, nb = 4099, 100
+    kv_c = torch.randn(t, 512, device=DEV) * torch.logspace(-7, 4, t, device=DEV)[:, None]
+    kv_c[0] = 0
+    kv_c[1, :128] = 448 * 2.0 ** -3
+    kv_c = kv_c.to(torch.bfloat16)
+    k_pe = torch.randn(t, 64, device=DEV).to(torch.bfloat16)
+    slots = torch.randperm(nb * P, device=DEV)[:t]
+    slots[::7] = -1
+    row_bytes = 656 if fmt == "fp8" else 1152
+    want = torch.full((nb, P, row_bytes), 0xAB, dtype=torch.uint8, device=DEV)
+    want = want if fmt == "fp8" else want.view(torch.bfloat16)
+    got = want.clone()
+    K.latent_write_reference(want, kv_c, k_pe, slots)
+    K.latent_write(got, kv_c, k_pe, slots)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        K.latent_write(got, kv_c, k_pe, slots)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, [e.name for e in kernels]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_twenty_runs_bitwise_equal(fmt):
+    cache, table, owned = make_cache(fmt, [3000, 5000, 9000])
+    lens = torch.tensor([3000, 5000, 9000], dtype=torch.int32, device=DEV)
+    for t in (2, 64):  # split + merge, and one program per head tile
+        q = (torch.randn(t, 128, 576, device=DEV) * 0.3).to(torch.bfloat16)
+        slots = random_slots(t, 2048, owned, seed=t)
+        first = K.sparse_mla(q, cache, slots, SCALE)
+        for _ in range(19):
+            again = K.sparse_mla(q, cache, slots, SCALE)
+            assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    qd = (torch.randn(3, 2, 128, 576, device=DEV) * 0.3).to(torch.bfloat16)
+    first = K.dense_mla_decode(qd, cache, table, lens, SCALE)
+    for _ in range(19):
+        again = K.dense_mla_decode(qd, cache, table, lens, SCALE)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+def test_cuda_graph_capture_and_replay():
+    cache, table, owned = make_cache("bf16", [3000, 5000])
+    lens = torch.tensor([3000, 5000], dtype=torch.int32, device=DEV)
+    q = (torch.randn(4, 128, 576, device=DEV) * 0.3).to(torch.bfloat16)
+    qd = q[:2].view(2, 1, 128, 576).clone()
+    slots = random_slots(4, 2048, owned, seed=1)
+    K.sparse_mla(q, cache, slots, SCALE)
+    K.dense_mla_decode(qd, cache, table, lens, SCALE)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = K.sparse_mla(q, cache, slots, SCALE)
+        out_d, lse_d = K.dense_mla_decode(qd, cache, table, lens, SCALE)
+    for seed in range(3):  # new inputs in place, replay, compare with eager calls
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        q.copy_((torch.randn(q.shape, generator=g, device=DEV) * 0.3).to(torch.bfloat16))
+        qd.copy_(q[:2].view(2, 1, 128, 576))
+        slots.copy_(random_slots(4, 2048, owned, seed=seed + 10))
+        graph.replay()
+        want, want_lse = K.sparse_mla(q, cache, slots, SCALE)
+        want_d, want_lse_d = K.dense_mla_decode(qd, cache, table, lens, SCALE)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        assert torch.equal(out_d, want_d) and torch.equal(lse_d, want_lse_d)
