@@ -34,23 +34,22 @@ def topk_indices_reference(logits, lengths, k, starts=None):
 # ---------------------------------------------------------------- Triton: exact radix select
 #
 # Keys: fp32 bits mapped to int32 whose bits, read as unsigned, order like ``_order_key`` (NaN by
-# its bits). The k-th largest key T of a row is found one 8-bit digit at a time (4 digits); each row
+# its bits). The k-th largest key T of a row is found one 8-bit digit at a time (4 digits). Each row
 # is split into C chunks of CHUNK columns, one program per (row, chunk), one launch per pass:
 #
 #   pass 0  histogram of digit 0 over the chunk
 #   pass 1  histogram of digit 1 over the chunk's columns whose digit 0 is the row's threshold digit
-#   pass 2  columns above the 16-bit threshold prefix go straight to the output; columns equal to
-#           it are compacted (stable) into the chunk's own span of the candidate list; histogram of
-#           digit 2 over them
-#   pass 3  histogram of digit 3 over the chunk's candidates whose digit 2 is the threshold digit
-#   pass 4  candidates above T go to the output, then the first (by column) of those equal to T
+#   pass 2  columns above the row's 16-bit threshold prefix go straight to the output; columns equal
+#           to it (the candidates) are compacted, stable, into the row's candidate list. The last
+#           program of the row to finish (an atomic ticket, no waiting) then finds digits 2 and 3
+#           over the candidates alone and writes those above T, then the first (by column) equal to T.
 #
-# Every program writes its chunk's suffix counts (``suf[r, pass, c, d]``: columns with digit >= d)
-# and adds its histogram into the row's total (``hist[r, pass, :]``, atomics on zeroed int32).
-# A later pass derives the threshold digits from the totals and its output offsets from the suffix
-# counts of the earlier chunks, so the output is deterministic (no atomic offsets) and every column
-# equal to T has a place: no bounded buffer, nothing dropped. A chunk's candidate span has room for
-# the whole chunk. Rows with length <= k are written densely by pass 0 and skipped by the others.
+# Passes 0 and 1 write each chunk's suffix counts (``suf[r, pass, c, d]``: columns with digit >= d)
+# and add their histograms into the row's totals (``hist[r, pass, :]``, atomics on zeroed int32).
+# Later programs derive the threshold digits from the totals and their output and list offsets from
+# the suffix counts of earlier chunks, so the output is deterministic (no atomic offsets) and every
+# column equal to T has a place: the candidate list has room for the whole row, nothing is dropped.
+# Rows with length <= k are written densely by pass 0 and skipped by the others.
 
 _BLOCK = 2048  # columns per loop step: 8 warps x 32 threads x 8 fp32 (two 16-byte loads each)
 _NUM_WARPS = 8
@@ -66,14 +65,13 @@ def _radix_key(x):
 
 
 @triton.jit
-def _pick_digit(hist_ptr, rem):
-    """Threshold digit of one pass from the row's histogram ``[256]`` of the remaining candidates.
+def _pick_digit(h, rem):
+    """Threshold digit of one pass from a row's histogram ``h [256]`` of the remaining candidates.
 
     Returns ``(d, rem')``: the digit of the ``rem``-th largest candidate and how many of the k best
     are still to be found among candidates with digit ``d`` (``rem`` minus those with digit > d).
     """
     bins = tl.arange(0, 256)
-    h = tl.load(hist_ptr + bins)
     at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # [256] candidates with digit >= bin
     d = tl.minimum(tl.maximum(tl.sum((at_least >= rem).to(tl.int32), 0) - 1, 0), 255)
     return d, rem - tl.sum(tl.where(bins > d, h, 0), 0)
@@ -109,8 +107,51 @@ def _store_positions(out_row, idx, pos, mask, bt_row, seq_len, MB, P, SLOTS: tl.
 
 
 @triton.jit
+def _candidate_keys(cand_row, row_l, j, n, cols):
+    """Positions and keys of candidates ``j + cols`` of the row's list (written by other programs of
+    this launch: read through L2)."""
+    m = j + cols < n
+    pos = tl.load(cand_row + j + cols, mask=m, other=0, cache_modifier=".cg")
+    return m, pos, _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
+
+
+@triton.jit
+def _finish_row(cand_row, row_l, n, k, rem1, out_row, bt_row, seq_len, MB, P,
+                SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """The row's ``n`` candidates share the threshold's 16-bit prefix and ``rem1`` of them are among
+    the k best: find digits 2 and 3 of T, then write those above T at ``k - rem1 ...`` and the first
+    ones equal to T (list order = column order) at the end of the row."""
+    cols = tl.arange(0, BLOCK)
+    h = tl.zeros([256], tl.int32)
+    for j in range(0, n, BLOCK):
+        m, pos, key = _candidate_keys(cand_row, row_l, j, n, cols)
+        h += tl.histogram((key >> 8) & 255, 256, mask=m)
+    d2, rem2 = _pick_digit(h, rem1)
+    h = tl.zeros([256], tl.int32)
+    for j in range(0, n, BLOCK):
+        m, pos, key = _candidate_keys(cand_row, row_l, j, n, cols)
+        h += tl.histogram(key & 255, 256, mask=m & (((key >> 8) & 255) == d2))
+    d3, rem3 = _pick_digit(h, rem2)
+    low = d2 * 256 + d3  # T's low 16 bits
+    n_gt = k - rem1
+    n_eq = 0
+    for j in range(0, n, BLOCK):
+        m, pos, key = _candidate_keys(cand_row, row_l, j, n, cols)
+        bottom = key & 65535
+        gt = m & (bottom > low)
+        eq = m & (bottom == low)
+        ranks = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)  # two counts, 16 bits each
+        eq_rank = n_eq + (ranks >> 16) - 1
+        _store_positions(out_row, n_gt + (ranks & 65535) - 1, pos, gt, bt_row, seq_len, MB, P, SLOTS)
+        _store_positions(out_row, k - rem3 + eq_rank, pos, eq & (eq_rank < rem3), bt_row, seq_len, MB, P, SLOTS)
+        counts = tl.max(ranks, 0)
+        n_gt += counts & 65535
+        n_eq += counts >> 16
+
+
+@triton.jit
 def _topk_pass_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_o,
-                      hist_ptr, suf_ptr, cand_ptr, stride_cand,
+                      hist_ptr, ticket_ptr, suf_ptr, cand_ptr,
                       bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, MB, P,
                       L, k, C, CHUNK,
                       PASS: tl.constexpr, HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr,
@@ -129,9 +170,8 @@ def _topk_pass_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, st
         req = tl.load(row_to_req_ptr + r).to(tl.int64)
         bt_row = bt_ptr + req * stride_bt
         seq_len = tl.load(seq_lens_ptr + req)
-    hist_r = hist_ptr + r * (4 * 256)  # [4, 256] row totals per pass
-    suf_r = suf_ptr + r * (4 * C * 256)  # [4, C, 256] suffix counts per pass and chunk
-    cand_c = cand_ptr + r * stride_cand + c * CHUNK  # this chunk's candidate span [CHUNK]
+    hist_r = hist_ptr + r * (2 * 256)  # [2, 256] row totals of passes 0 and 1
+    suf_r = suf_ptr + r * (2 * C * 256)  # [2, C, 256] suffix counts per pass and chunk
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, length)
     cols = tl.arange(0, BLOCK)
@@ -152,7 +192,8 @@ def _topk_pass_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, st
                 h += tl.histogram((key >> 24) & 255, 256, mask=m)
             _save_hist(hist_r, suf_r + c * 256, h)
     elif length > k:
-        d0, rem0 = _pick_digit(hist_r, k)
+        bins = tl.arange(0, 256)
+        d0, rem0 = _pick_digit(tl.load(hist_r + bins), k)
         if PASS == 1:
             for j in range(lo, hi, BLOCK):
                 pos = j + cols
@@ -161,60 +202,29 @@ def _topk_pass_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, st
                 h += tl.histogram((key >> 16) & 255, 256, mask=m & (((key >> 24) & 255) == d0))
             _save_hist(hist_r + 256, suf_r + (C + c) * 256, h)
         else:
-            d1, rem1 = _pick_digit(hist_r + 256, rem0)
-            if PASS == 2:
-                prefix = d0 * 256 + d1
-                base = _earlier(suf_r, c, d0 + 1, STEP) + _earlier(suf_r + C * 256, c, d1 + 1, STEP)
-                n_sel = 0
-                n_cand = 0
-                for j in range(lo, hi, BLOCK):
-                    pos = j + cols
-                    m = pos < hi
-                    key = _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
-                    top = (key >> 16) & 65535
-                    sel = m & (top > prefix)
-                    cand = m & (top == prefix)
-                    ranks = tl.cumsum(sel.to(tl.int32) + (cand.to(tl.int32) << 16), 0)  # two counts, 16 bits each
-                    _store_positions(out_row, base + n_sel + (ranks & 65535) - 1, pos, sel, bt_row, seq_len,
-                                     MB, P, SLOTS)
-                    tl.store(cand_c + n_cand + (ranks >> 16) - 1, pos, mask=cand)
-                    h += tl.histogram((key >> 8) & 255, 256, mask=cand)
-                    counts = tl.max(ranks, 0)
-                    n_sel += counts & 65535
-                    n_cand += counts >> 16
-                _save_hist(hist_r + 2 * 256, suf_r + (2 * C + c) * 256, h)
-            else:
-                suf1 = suf_r + (C + c) * 256
-                n = tl.load(suf1 + d1) - tl.load(suf1 + d1 + 1, mask=d1 < 255, other=0)  # candidates here
-                d2, rem2 = _pick_digit(hist_r + 2 * 256, rem1)
-                if PASS == 3:
-                    for j in range(0, n, BLOCK):
-                        m = j + cols < n
-                        pos = tl.load(cand_c + j + cols, mask=m, other=0)
-                        key = _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
-                        h += tl.histogram(key & 255, 256, mask=m & (((key >> 8) & 255) == d2))
-                    _save_hist(hist_r + 3 * 256, suf_r + (3 * C + c) * 256, h)
-                else:
-                    d3, rem3 = _pick_digit(hist_r + 3 * 256, rem2)
-                    low = d2 * 256 + d3
-                    suf3 = suf_r + 3 * C * 256
-                    n_gt = k - rem1 + _earlier(suf_r + 2 * C * 256, c, d2 + 1, STEP) + _earlier(suf3, c, d3 + 1, STEP)
-                    n_eq = _earlier(suf3, c, d3, STEP) - _earlier(suf3, c, d3 + 1, STEP)
-                    for j in range(0, n, BLOCK):
-                        m = j + cols < n
-                        pos = tl.load(cand_c + j + cols, mask=m, other=0)
-                        key = _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
-                        bottom = key & 65535
-                        gt = m & (bottom > low)
-                        eq = m & (bottom == low)
-                        ranks = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)
-                        eq_rank = n_eq + (ranks >> 16) - 1  # among the row's columns equal to T
-                        _store_positions(out_row, n_gt + (ranks & 65535) - 1, pos, gt, bt_row, seq_len, MB, P, SLOTS)
-                        _store_positions(out_row, k - rem3 + eq_rank, pos, eq & (eq_rank < rem3), bt_row, seq_len,
-                                         MB, P, SLOTS)
-                        counts = tl.max(ranks, 0)
-                        n_gt += counts & 65535
-                        n_eq += counts >> 16
+            d1, rem1 = _pick_digit(tl.load(hist_r + 256 + bins), rem0)
+            prefix = d0 * 256 + d1
+            suf1 = suf_r + C * 256
+            n_sel = _earlier(suf_r, c, d0 + 1, STEP) + _earlier(suf1, c, d1 + 1, STEP)  # columns above, earlier chunks
+            n_cand = _earlier(suf1, c, d1, STEP) - _earlier(suf1, c, d1 + 1, STEP)
+            cand_row = cand_ptr + r * L
+            for j in range(lo, hi, BLOCK):
+                pos = j + cols
+                m = pos < hi
+                key = _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
+                top = (key >> 16) & 65535
+                sel = m & (top > prefix)
+                cand = m & (top == prefix)
+                ranks = tl.cumsum(sel.to(tl.int32) + (cand.to(tl.int32) << 16), 0)  # two counts, 16 bits each
+                _store_positions(out_row, n_sel + (ranks & 65535) - 1, pos, sel, bt_row, seq_len, MB, P, SLOTS)
+                tl.store(cand_row + n_cand + (ranks >> 16) - 1, pos, mask=cand)
+                counts = tl.max(ranks, 0)
+                n_sel += counts & 65535
+                n_cand += counts >> 16
+            tl.debug_barrier()  # every thread's list entries are written before the ticket releases them
+            if tl.atomic_add(ticket_ptr + r, 1, sem="acq_rel") == C - 1:  # the row's last program
+                n = tl.load(hist_r + 256 + d1)  # the row's candidates
+                _finish_row(cand_row, row_l, n, k, rem1, out_row, bt_row, seq_len, MB, P, SLOTS, BLOCK)
 
 
 def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, programs=_PROGRAMS, num_warps=_NUM_WARPS,
@@ -234,14 +244,15 @@ def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, progra
     chunks = max(1, min(triton.cdiv(width, block), triton.cdiv(programs, r)))
     chunk = triton.cdiv(triton.cdiv(max(width, 1), chunks), block) * block
     chunks = max(1, triton.cdiv(width, chunk))
-    passes = 1 if width <= k else 5
+    passes = 1 if width <= k else 3
     i32 = dict(dtype=torch.int32, device=logits.device)
     if passes == 1:
-        hist = suf = cand = out  # never read: every row is dense
+        hist = tickets = suf = cand = out  # never read: every row is dense
     else:
-        hist = torch.zeros((r, 4, 256), **i32)  # row totals, added atomically
-        suf = torch.empty((r, 4, chunks, 256), **i32)  # every entry written by its chunk's program
-        cand = torch.empty((r, chunks * chunk), **i32)  # candidate spans, room for whole chunks
+        zeroed = torch.zeros(r * (2 * 256 + 1), **i32)  # one memset: row totals (added atomically), tickets
+        hist, tickets = zeroed[:r * 512], zeroed[r * 512:]
+        suf = torch.empty((r, 2, chunks, 256), **i32)  # every entry written by its chunk's program
+        cand = torch.empty((r, width), **i32)  # candidate lists, room for whole rows
     if slots is None:
         bt, row_to_req, seq_lens, block_size = out, out, out, 1
     else:
@@ -251,7 +262,7 @@ def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, progra
     for p in range(passes):
         _topk_pass_kernel[grid](
             logits, logits.stride(0), lengths, starts_t, out, out.stride(0),
-            hist, suf, cand, cand.stride(0),
+            hist, tickets, suf, cand,
             bt, bt.stride(0), row_to_req, seq_lens, bt.shape[1], block_size,
             width, k, chunks, chunk,
             PASS=p, HAS_STARTS=starts is not None, SLOTS=slots is not None,
