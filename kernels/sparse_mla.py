@@ -50,29 +50,36 @@ _ROPE_OFF = tl.constexpr(LATENT_FP8_ROPE_OFFSET)
 
 
 @triton.jit
-def _load_latent_rows(cache_ptr, row_off, valid, FP8: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Gather rows as ``kv [BLOCK_N, 512]`` (K's first 512 values, also V) and ``k_pe [BLOCK_N, 64]``, bf16.
+def _load_latent_rows(cache_ptr, row_off, valid, FP8: tl.constexpr):
+    """Gather rows ``[BLOCK_N, 576]`` as four ``[BLOCK_N, 128]`` kv_c tiles + ``[BLOCK_N, 64]`` k_pe, bf16.
 
     ``row_off`` [BLOCK_N] int64: element offset (bf16 cache) or byte offset (FP8 cache) of each row;
     rows with ``valid`` False are never read (poisoned rows stay out) and come back as zeros.
     """
+    d = tl.arange(0, 128)
     e = tl.arange(0, 64)
     m = valid[:, None]
-    base = cache_ptr + row_off  # [BLOCK_N] row pointers (uint8 for FP8, bf16 otherwise)
     if FP8:
-        j = tl.arange(0, 4)
-        c = tl.arange(0, 128)
-        k8 = tl.load(base[:, None, None] + (j[:, None] * 128 + c[None, :])[None, :, :], mask=valid[:, None, None],
-                     other=0)  # [BLOCK_N, 4, 128] e4m3 bytes
-        sc = tl.load((base + _SCALE_OFF).to(tl.pointer_type(tl.float32))[:, None] + j[None, :], mask=m,
-                     other=0.0)  # [BLOCK_N, 4] fp32, one per 128-wide tile
-        kv = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, :, None]
-        kv = tl.reshape(kv.to(tl.bfloat16), (BLOCK_N, 512))
-        kpe = tl.load((base + _ROPE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None] + e[None, :], mask=m, other=0.0)
+        base = cache_ptr + row_off  # [BLOCK_N] uint8 pointers
+        sc = (base + _SCALE_OFF).to(tl.pointer_type(tl.float32))  # 4 fp32 scales per row
+        pe = (base + _ROPE_OFF).to(tl.pointer_type(tl.bfloat16))
+        k0 = tl.load(base[:, None] + d[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k1 = tl.load(base[:, None] + (128 + d)[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k2 = tl.load(base[:, None] + (256 + d)[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k3 = tl.load(base[:, None] + (384 + d)[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k0 = (k0 * tl.load(sc, mask=valid, other=0.0)[:, None]).to(tl.bfloat16)
+        k1 = (k1 * tl.load(sc + 1, mask=valid, other=0.0)[:, None]).to(tl.bfloat16)
+        k2 = (k2 * tl.load(sc + 2, mask=valid, other=0.0)[:, None]).to(tl.bfloat16)
+        k3 = (k3 * tl.load(sc + 3, mask=valid, other=0.0)[:, None]).to(tl.bfloat16)
+        kpe = tl.load(pe[:, None] + e[None, :], mask=m, other=0.0)
     else:
-        kv = tl.load(base[:, None] + tl.arange(0, 512)[None, :], mask=m, other=0.0)
+        base = cache_ptr + row_off  # [BLOCK_N] bf16 pointers
+        k0 = tl.load(base[:, None] + d[None, :], mask=m, other=0.0)
+        k1 = tl.load(base[:, None] + (128 + d)[None, :], mask=m, other=0.0)
+        k2 = tl.load(base[:, None] + (256 + d)[None, :], mask=m, other=0.0)
+        k3 = tl.load(base[:, None] + (384 + d)[None, :], mask=m, other=0.0)
         kpe = tl.load(base[:, None] + (512 + e)[None, :], mask=m, other=0.0)
-    return kv, kpe
+    return k0, k1, k2, k3, kpe
 
 
 @triton.jit
@@ -84,20 +91,22 @@ def _mla_attn_kernel(
         stride_slots, stride_bt, stride_cb, stride_cp, block_size,
         DENSE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: ``BLOCK_H`` query rows of group ``g`` (a token for sparse, a request for dense) and one
-    split of its key rows; online softmax in the log2 domain, fp32 accumulator [BLOCK_H, 512].
-    The head tile is the fastest grid axis, so the programs gathering the same rows run together."""
-    r = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] query rows inside the group
-    g = tl.program_id(1).to(tl.int64)
+    """One program: group ``g`` (a token for sparse, a request for dense), ``BLOCK_H`` of its query rows,
+    and one split of its key rows; online softmax in the log2 domain, fp32 accumulators."""
+    g = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] query rows inside the group
     split = tl.program_id(2)
     row_ok = r < ROWS
     row = g * ROWS + r  # [BLOCK_H] int64 flat query row
-    d = tl.arange(0, 512)
+    d = tl.arange(0, 128)
     e = tl.arange(0, 64)
     q_row = q_ptr + row[:, None] * 576
     qm = row_ok[:, None]
-    q_nope = tl.load(q_row + d[None, :], mask=qm, other=0.0)  # [BLOCK_H, 512] bf16
-    q_pe = tl.load(q_row + (512 + e)[None, :], mask=qm, other=0.0)  # [BLOCK_H, 64] bf16
+    q0 = tl.load(q_row + d[None, :], mask=qm, other=0.0)  # [BLOCK_H, 128] bf16
+    q1 = tl.load(q_row + (128 + d)[None, :], mask=qm, other=0.0)
+    q2 = tl.load(q_row + (256 + d)[None, :], mask=qm, other=0.0)
+    q3 = tl.load(q_row + (384 + d)[None, :], mask=qm, other=0.0)
+    qpe = tl.load(q_row + (512 + e)[None, :], mask=qm, other=0.0)  # [BLOCK_H, 64] bf16
 
     if DENSE:
         seq_len = tl.load(seq_lens_ptr + g)
@@ -110,30 +119,27 @@ def _mla_attn_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, 512], tl.float32)
-    # the indices of a tile (slots, or block ids) are loaded one iteration ahead: their latency hides
-    # behind a tile of math instead of stalling the address computation of the gather
-    idx = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    if DENSE:
-        nxt = tl.load(block_table_ptr + g * stride_bt + idx // block_size, mask=idx < end, other=0)
-    else:
-        nxt = tl.load(slots_ptr + g * stride_slots + idx, mask=idx < end, other=-1)
+    acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         idx = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        cur = nxt
-        ahead = idx + BLOCK_N
         if DENSE:
-            nxt = tl.load(block_table_ptr + g * stride_bt + ahead // block_size, mask=ahead < end, other=0)
             valid = idx < end
-            row_off = cur.to(tl.int64) * stride_cb + (idx % block_size).to(tl.int64) * stride_cp
+            blk = tl.load(block_table_ptr + g * stride_bt + idx // block_size, mask=valid, other=0).to(tl.int64)
+            row_off = blk * stride_cb + (idx % block_size).to(tl.int64) * stride_cp
         else:
-            nxt = tl.load(slots_ptr + g * stride_slots + ahead, mask=ahead < end, other=-1)
-            valid = cur >= 0
-            slot = tl.where(valid, cur, 0).to(tl.int64)
+            slot = tl.load(slots_ptr + g * stride_slots + idx, mask=idx < end, other=-1)
+            valid = slot >= 0
+            slot = tl.where(valid, slot, 0).to(tl.int64)
             row_off = (slot // block_size) * stride_cb + (slot % block_size) * stride_cp
-        kv, kpe = _load_latent_rows(cache_ptr, row_off, valid, FP8, BLOCK_N)
-        s = tl.dot(q_nope, tl.trans(kv))  # [BLOCK_H, BLOCK_N] fp32
-        s = tl.dot(q_pe, tl.trans(kpe), s)
+        k0, k1, k2, k3, kpe = _load_latent_rows(cache_ptr, row_off, valid, FP8)
+        s = tl.dot(q0, tl.trans(k0))  # [BLOCK_H, BLOCK_N] fp32
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.dot(q2, tl.trans(k2), s)
+        s = tl.dot(q3, tl.trans(k3), s)
+        s = tl.dot(qpe, tl.trans(kpe), s)
         if DENSE:
             ok = valid[None, :] & (idx[None, :] <= last[:, None])
         else:
@@ -144,17 +150,29 @@ def _mla_attn_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(tl.bfloat16), kv, acc * alpha[:, None])
+        pb = p.to(tl.bfloat16)
+        acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
         m_i = m_new
 
     empty = l_i == 0.0
-    out = acc * (1.0 / tl.where(empty, 1.0, l_i))[:, None]
+    inv = 1.0 / tl.where(empty, 1.0, l_i)
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))  # [BLOCK_H] log2 domain
     if SPLIT:
-        tl.store(part_out_ptr + (split * TOTAL_ROWS + row)[:, None] * 512 + d[None, :], out, mask=qm)
+        o_row = part_out_ptr + (split * TOTAL_ROWS + row)[:, None] * 512
+        tl.store(o_row + d[None, :], acc0 * inv[:, None], mask=qm)
+        tl.store(o_row + (128 + d)[None, :], acc1 * inv[:, None], mask=qm)
+        tl.store(o_row + (256 + d)[None, :], acc2 * inv[:, None], mask=qm)
+        tl.store(o_row + (384 + d)[None, :], acc3 * inv[:, None], mask=qm)
         tl.store(part_lse_ptr + split * TOTAL_ROWS + row, lse2, mask=row_ok)
     else:
-        tl.store(out_ptr + row[:, None] * 512 + d[None, :], out.to(tl.bfloat16), mask=qm)
+        o_row = out_ptr + row[:, None] * 512
+        tl.store(o_row + d[None, :], (acc0 * inv[:, None]).to(tl.bfloat16), mask=qm)
+        tl.store(o_row + (128 + d)[None, :], (acc1 * inv[:, None]).to(tl.bfloat16), mask=qm)
+        tl.store(o_row + (256 + d)[None, :], (acc2 * inv[:, None]).to(tl.bfloat16), mask=qm)
+        tl.store(o_row + (384 + d)[None, :], (acc3 * inv[:, None]).to(tl.bfloat16), mask=qm)
         tl.store(lse_ptr + row, lse2 * 0.6931471805599453, mask=row_ok)
 
 
@@ -196,18 +214,15 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _tiles(device: torch.device, rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages) of the attention kernel.
-
-    GPU: 64 query rows a program (wgmma needs M = 64) and two warpgroups splitting the [64, 512] fp32
-    accumulator (128 registers a thread); 64 gathered keys a tile, double-buffered: q (74 KB) plus two
-    [64, 576] tiles fill 221 KB of shared memory (3 stages do not fit; 32-key tiles run more, shorter
-    iterations and were slower on the H200). 16 rows for H <= 16. Interpreter: 16 x 16 tiles.
-    """
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages): 64 query rows per program on the GPU (wgmma needs
+    M = 64), two warpgroups splitting the 512-wide fp32 accumulator (128 registers a thread); 32 keys a
+    tile in 3 stages keeps q (74 KB) and the gathered tiles in 148 KB of shared memory. 16 x 16 tiles
+    under the interpreter."""
     if device.type != "cuda":
         return 16, 16, 4, 1
     if rows <= 16:
-        return 16, 64, 8, 2
-    return 64, 64, 8, 2
+        return 16, 64, 4, 2
+    return 64, 32, 8, 3
 
 
 def mla_attention_triton(q_rows, latent_cache, rows, groups, *, slots=None, block_table=None, seq_lens=None,
@@ -248,7 +263,7 @@ def mla_attention_triton(q_rows, latent_cache, rows, groups, *, slots=None, bloc
         slots_arg, stride_slots, k = slots, slots.stride(0), slots.shape[1]
         bt_arg, sl_arg, stride_bt, mb = slots, slots, 0, 0
         h = rows
-    _mla_attn_kernel[(triton.cdiv(rows, block_h), groups, splits)](
+    _mla_attn_kernel[(groups, triton.cdiv(rows, block_h), splits)](
         q_rows, latent_cache, slots_arg, bt_arg, sl_arg, out, lse, part_out, part_lse,
         float(softmax_scale) * LOG2E, rows, h, n, k, mb, total, split_len,
         stride_slots, stride_bt, stride_cb, stride_cp, latent_cache.shape[1],

@@ -12,7 +12,7 @@ H, D_L, D_V, P, K = 128, 576, 512, 64, 2048
 SCALE = 0.1352
 ROW_BYTES = {"bf16": D_L * 2, "fp8": 656}
 CTX = 8192  # rows each decode request owns; its slots are drawn from them
-SWEEP = {"bf16": [(32, 3), (32, 2)], "fp8": [(32, 3)]}  # (BLOCK_N, num_stages) besides the default (64, 2)
+SWEEP = {"bf16": [(64, 2), (32, 2), (16, 4), (32, 4)], "fp8": [(64, 2)]}  # (BLOCK_N, stages) besides the default
 
 
 def latent_caches(num_tokens: int, device, seed: int = 0) -> dict:
