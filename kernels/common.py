@@ -58,8 +58,8 @@ def check_block_size(block_size, *, name: str = "block_size") -> int:
     return block_size
 
 
-def resolve_backend(backend: str, device: torch.device, op: str, *, kernel_ready: bool = True,
-                    issue: int | None = None, triton_dtypes_ok: bool = True, block_size: int | None = None) -> str:
+def resolve_backend(backend: str, device: torch.device, op: str, *, triton_dtypes_ok: bool = True,
+                    block_size: int | None = None) -> str:
     """Return ``"torch"`` or ``"triton"`` for one call of op ``op``.
 
     ``"auto"`` runs Triton on CUDA tensors whose dtypes the kernel takes (``triton_dtypes_ok``)
@@ -76,10 +76,6 @@ def resolve_backend(backend: str, device: torch.device, op: str, *, kernel_ready
     if not triton_dtypes_ok:
         raise TypeError(f"{op}: the Triton kernel takes the low-precision dtypes of its docstring; float32, "
                         "float64 and exact-precision inputs run through backend='torch'")
-    if not kernel_ready:
-        if backend == "auto":
-            return "torch"
-        raise NotImplementedError(f"{op}: the Triton kernel arrives with issue #{issue}; use backend='torch'")
     if device.type != "cuda" and not (device.type == "cpu" and TRITON_INTERPRET):
         raise ValueError(f"{op}: backend='triton' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
                          f"set before dsa.kernels is imported; got tensors on {device}")

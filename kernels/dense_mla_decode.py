@@ -46,8 +46,7 @@ def dense_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: t
     check_tensor("block_table", block_table, dtype=torch.int32, shape=(b, None))
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(b,))
     device = check_same_device(q=q, latent_cache=latent_cache, block_table=block_table, seq_lens=seq_lens)
-    impl = resolve_backend(backend, device, "dense_mla_decode", kernel_ready=True,
-                           triton_dtypes_ok=fmt != "fp32" and q.dtype == torch.bfloat16,
+    impl = resolve_backend(backend, device, "dense_mla_decode", triton_dtypes_ok=fmt != "fp32" and q.dtype == torch.bfloat16,
                            block_size=latent_cache.shape[1])
     if impl == "torch":
         return dense_mla_decode_reference(q, latent_cache, block_table, seq_lens, float(softmax_scale))

@@ -111,8 +111,7 @@ def indexer_key_write(index_cache: torch.Tensor, k: torch.Tensor, slot_mapping: 
     check_tensor("index_cache", index_cache, dtype=torch.uint8, shape=(None, block_size * (di + INDEXER_SCALE_BYTES)))
     check_tensor("slot_mapping", slot_mapping, dtype=INDEX_DTYPES, shape=(t,))
     device = check_same_device(index_cache=index_cache, k=k, slot_mapping=slot_mapping)
-    impl = resolve_backend(backend, device, "indexer_key_write", kernel_ready=True,
-                           triton_dtypes_ok=k.dtype == torch.bfloat16, block_size=block_size)
+    impl = resolve_backend(backend, device, "indexer_key_write", triton_dtypes_ok=k.dtype == torch.bfloat16, block_size=block_size)
     if impl == "torch":
         indexer_key_write_reference(index_cache, k, slot_mapping, block_size, hadamard)
         return

@@ -194,8 +194,7 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
         raise ValueError(f"max_seq_len: expected None or a non-negative int, got {max_seq_len!r}")
     device = check_same_device(q8=q8, weights=weights, index_cache=index_cache, block_table=block_table,
                                seq_lens=seq_lens)
-    impl = resolve_backend(backend, device, "indexer_logits_paged", kernel_ready=True,
-                           triton_dtypes_ok=not exact, block_size=block_size)
+    impl = resolve_backend(backend, device, "indexer_logits_paged", triton_dtypes_ok=not exact, block_size=block_size)
     if impl == "torch":
         return indexer_logits_paged_reference(q8, weights, index_cache, block_table, seq_lens, block_size,
                                               max_seq_len)

@@ -142,8 +142,7 @@ def indexer_logits_ragged(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Ten
     check_tensor("starts", starts, dtype=torch.int32, shape=(t,))
     check_tensor("ends", ends, dtype=torch.int32, shape=(t,))
     device = check_same_device(q8=q8, weights=weights, k8=k8, k_scale=k_scale, starts=starts, ends=ends)
-    impl = resolve_backend(backend, device, "indexer_logits_ragged", kernel_ready=True,
-                           triton_dtypes_ok=not exact)
+    impl = resolve_backend(backend, device, "indexer_logits_ragged", triton_dtypes_ok=not exact)
     if impl == "torch":
         return indexer_logits_ragged_reference(q8, weights, k8, k_scale, starts, ends)
     if not 1 <= hi <= 128 or di not in (32, 64, 128, 256):

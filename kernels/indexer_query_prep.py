@@ -77,8 +77,7 @@ def indexer_query_prep(q: torch.Tensor, w: torch.Tensor, hadamard: bool, *,
     t, hi, di = q.shape
     check_tensor("w", w, dtype=torch.float32, shape=(t, hi))
     device = check_same_device(q=q, w=w)
-    impl = resolve_backend(backend, device, "indexer_query_prep", kernel_ready=True,
-                           triton_dtypes_ok=q.dtype == torch.bfloat16)
+    impl = resolve_backend(backend, device, "indexer_query_prep", triton_dtypes_ok=q.dtype == torch.bfloat16)
     if impl == "torch":
         return indexer_query_prep_reference(q, w, hadamard)
     if di < 2 or di & (di - 1):

@@ -80,8 +80,7 @@ def latent_write(latent_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Ten
     check_tensor("k_pe", k_pe, dtype=kv_c.dtype, shape=(t, ROPE_DIM))
     check_tensor("slot_mapping", slot_mapping, dtype=INDEX_DTYPES, shape=(t,))
     device = check_same_device(latent_cache=latent_cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
-    impl = resolve_backend(backend, device, "latent_write", kernel_ready=True,
-                           triton_dtypes_ok=fmt != "fp32" and kv_c.dtype == torch.bfloat16)
+    impl = resolve_backend(backend, device, "latent_write", triton_dtypes_ok=fmt != "fp32" and kv_c.dtype == torch.bfloat16)
     if impl == "torch":
         latent_write_reference(latent_cache, kv_c, k_pe, slot_mapping)
         return

@@ -293,8 +293,7 @@ def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, slots: torch.Tensor,
     check_tensor("q", q, dtype=FLOAT_DTYPES, shape=(None, None, LATENT_DIM))
     check_tensor("slots", slots, dtype=torch.int32, shape=(q.shape[0], None))
     device = check_same_device(q=q, latent_cache=latent_cache, slots=slots)
-    impl = resolve_backend(backend, device, "sparse_mla", kernel_ready=True,
-                           triton_dtypes_ok=fmt != "fp32" and q.dtype == torch.bfloat16)
+    impl = resolve_backend(backend, device, "sparse_mla", triton_dtypes_ok=fmt != "fp32" and q.dtype == torch.bfloat16)
     if impl == "torch":
         return sparse_mla_reference(q, latent_cache, slots, float(softmax_scale))
     t, h, k = q.shape[0], q.shape[1], slots.shape[1]

@@ -13,32 +13,6 @@ P = 16
 SCALE = 0.1352
 
 
-@pytest.fixture(autouse=True)
-def _convert_tensors_holding_zeros(monkeypatch):
-    """conftest chains ``convert(src) or original(src)``, but an interpreter TensorHandle is falsy when any
-    element is 0 (``__bool__`` is ``data.all()``), so a tensor holding a zero falls back to the interpreter's
-    wrong rounding (fp8 values off by one code, some halved). Reuse conftest's converter with an
-    ``is None`` test for the tests of this file (conftest itself should test ``is None``)."""
-    from triton.runtime import interpreter as interp
-    builder = interp.InterpreterBuilder
-    cells = lambda f: dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__)))  # noqa: E731
-    cast_cells, fp_cells = cells(builder.cast_impl), cells(builder.create_fp_to_fp)
-    convert, cast_orig, fp_orig = cast_cells["convert"], cast_cells["cast_impl"], fp_cells["fp_to_fp"]
-
-    def cast(self, src, dst_type):
-        out = convert(src, dst_type)
-        return cast_orig(self, src, dst_type) if out is None else out
-
-    def fp_to_fp(self, src, dst_type, rounding_mode):
-        out = convert(src, dst_type)
-        return fp_orig(self, src, dst_type, rounding_mode) if out is None else out
-
-    monkeypatch.setattr(builder, "cast_impl", cast)
-    monkeypatch.setattr(builder, "create_fp_to_fp", fp_to_fp)
-    monkeypatch.setattr(builder, "create_fp_ext", lambda self, src, dst_type: cast(self, src, dst_type))
-    monkeypatch.setattr(builder, "create_fp_trunc", lambda self, src, dst_type: cast(self, src, dst_type))
-
-
 def make_cache(fmt, seq_lens, seed=0):
     """Paged cache with random rows for ``seq_lens``; every row no request owns is NaN."""
     g = torch.Generator().manual_seed(seed)

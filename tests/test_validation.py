@@ -106,17 +106,3 @@ def test_block_size_not_multiple_of_16_is_refused_for_triton(monkeypatch):
     monkeypatch.setattr(common, "TRITON_INTERPRET", True)
     with pytest.raises(ValueError, match="block_size"):
         common.resolve_backend("triton", torch.device("cpu"), "op", block_size=24)
-
-
-# ops whose Triton kernels have not landed yet: "triton" says which issue brings them
-PENDING = {
-}
-
-
-@pytest.mark.parametrize("name", sorted(PENDING))
-def test_pending_kernels_name_their_issue(name, monkeypatch):
-    from dsa.kernels import common
-    monkeypatch.setattr(common, "TRITON_INTERPRET", True)
-    issue, call = PENDING[name]
-    with pytest.raises(NotImplementedError, match=f"issue #{issue}"):
-        call()
