@@ -50,11 +50,14 @@ def run(device, timer, ceilings, args) -> list:
         q_abs = attn.absorbed_query(q_nope, q_pe)
         iq, _, iw = attn.indexer.project(x, qr, pos, cos, sin)
 
-        def dsa_attention(backend="auto"):
+        def select(backend="auto"):
             q8, w = indexer_query_prep(iq, iw, True, backend=backend)
             logits = indexer_logits_paged(q8.unsqueeze(1), w.unsqueeze(1), index, table, lens, P, max_seq_len=s,
                                           backend=backend)
-            slots = topk_slots(logits, lens, K, table, req, lens, P, backend=backend)
+            return topk_slots(logits, lens, K, table, req, lens, P, backend=backend)
+
+        def dsa_attention(slots=None, backend="auto"):
+            slots = select() if slots is None else slots
             return sparse_mla(q_abs, latent, slots, attn.softmax_scale, backend=backend)
 
         def dense_attention(backend="auto"):
@@ -66,10 +69,17 @@ def run(device, timer, ceilings, args) -> list:
             attn.indexer.project(x, qr_, pos, cos, sin)
             return attn.o_proj(attn._up_v(q_abs[..., :512]).flatten(1))
 
-        for fn in (dsa_attention, dense_attention):  # correctness before timing: against the torch references
-            got, want = fn()[0].float(), fn("torch")[0].float()
-            err = float((got - want).abs().max() / want.abs().max())
-            assert err < 2e-2, f"{fn.__name__} at B={b} S={s}: relative error {err:.3g} against the references"
+        # correctness before timing, against the torch references: the selection as a set (FP8 logits
+        # agree to calc_diff ~1e-7, so only near-ties at the threshold may swap), then each attention on
+        # the same inputs
+        mine, ref = select().cpu(), select("torch").cpu()
+        overlap = sum(len(set(a.tolist()) & set(r.tolist())) for a, r in zip(mine, ref)) / ref.numel()
+        assert overlap >= 0.99, f"top-k at B={b} S={s}: {overlap:.4f} of the reference selection"
+        slots = select()
+        for name, got, want in (("sparse", dsa_attention(slots), dsa_attention(slots, "torch")),
+                                ("dense", dense_attention(), dense_attention("torch"))):
+            err = float((got[0].float() - want[0].float()).abs().max() / want[0].float().abs().max())
+            assert err < 2e-2, f"{name} attention at B={b} S={s}: relative error {err:.3g} against the reference"
         t_dsa = timer(dsa_attention)
         t_dense = timer(dense_attention)
         t_proj = timer(projections)
