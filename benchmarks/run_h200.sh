@@ -18,3 +18,6 @@ if [[ $PART == *b* ]]; then
   python -m dsa demo --json "$OUT/demo-h200.json" 2>&1 | grep -v "demo:"
   python -m dsa recall --preset demo-gpu --context 32768 --queries 32 --out /tmp/recall && cp /tmp/recall/recall.json "$OUT/recall-demo-gpu-32k.json"
 fi
+if [[ $PART == *c* ]]; then  # a re-run of named GPU tests: bash benchmarks/run_h200.sh SHA c "tests/x.py::t ..."
+  python -m pytest -q -p no:cacheprovider ${3} 2>&1 | tail -30
+fi
