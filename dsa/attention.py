@@ -66,7 +66,8 @@ class DSAAttention(nn.Module):
             selected = self.indexer(x, qr, plan, index_cache, cos, sin, c.index_topk)
 
         out = torch.full((t, h, c.v_head_dim), float("nan"), dtype=x.dtype, device=x.device)
-        q_abs = self.absorbed_query(q_nope, q_pe)  # [T, H, 576]
+        absorbed = ("sparse_decode", "sparse_prefill", "dense_decode", "dense_prefill_absorbed")
+        q_abs = self.absorbed_query(q_nope, q_pe) if any(plan.segments[p] for p in absorbed) else None  # [T, H, 576]
         for path in ("sparse_decode", "sparse_prefill"):
             rows = plan.rows_of(path)
             if len(rows):
@@ -134,11 +135,20 @@ class DSAAttention(nn.Module):
         kv = F.linear(rows[:, :c.kv_lora_rank], self.kv_b_proj.weight).view(s, h, -1)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat((k_nope, rows[:, None, c.kv_lora_rank:].expand(s, h, c.qk_rope_head_dim)), dim=-1)
-        # the workspace: the up-projected [S, H, D_NOPE + D_V] and the [S, H, D_NOPE + D_R] keys
-        stats["workspace_bytes"] = max(stats.get("workspace_bytes", 0), (kv.numel() + k.numel()) * k.element_size())
         q = torch.cat((q_nope, q_pe), dim=-1)  # [Q, H, 192]
-        # query i sits at position pos0 + i and sees keys [0, pos0 + i]: bottom-right aligned
-        mask = pos[None, :] <= (seg.pos0 + torch.arange(seg.rows, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                           scale=self.softmax_scale)
+        padded = 0
+        if v.shape[-1] != k.shape[-1]:  # equal head dims let SDPA pick a fused kernel instead of the math path
+            v = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
+            padded = v.numel()
+        # the workspace: the up-projected [S, H, D_NOPE + D_V], the [S, H, D_NOPE + D_R] keys (and padded values)
+        stats["workspace_bytes"] = max(stats.get("workspace_bytes", 0),
+                                       (kv.numel() + k.numel() + padded) * k.element_size())
+        if seg.pos0 == 0:  # no prefix: top-left and bottom-right causal alignment coincide
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=True, scale=self.softmax_scale)
+        else:  # query i sits at position pos0 + i and sees keys [0, pos0 + i]: bottom-right aligned
+            mask = pos[None, :] <= (seg.pos0 + torch.arange(seg.rows, device=q.device))[:, None]
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               attn_mask=mask, scale=self.softmax_scale)
+        o = o[..., :c.v_head_dim]
         return o.transpose(0, 1)

@@ -121,7 +121,7 @@ class DSAModel(nn.Module):
 
     def plan(self, query_lens, context_lens, block_tables) -> BatchPlan:
         c = self.config
-        kv_bytes = (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim + c.qk_head_dim)
+        kv_bytes = (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim + 2 * c.qk_head_dim)
                     * self.embed_tokens.weight.element_size())  # up-projected K/V per context token (MHA path)
         return BatchPlan.build(query_lens, context_lens, block_tables, c.block_size, self.device,
                                index_topk=c.index_topk, dispatch=self.dispatch, mha_kv_bytes_per_token=kv_bytes)
