@@ -143,12 +143,10 @@ class DSAAttention(nn.Module):
         # the workspace: the up-projected [S, H, D_NOPE + D_V], the [S, H, D_NOPE + D_R] keys (and padded values)
         stats["workspace_bytes"] = max(stats.get("workspace_bytes", 0),
                                        (kv.numel() + k.numel() + padded) * k.element_size())
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, len, D]: 4-D for the fused kernels
         if seg.pos0 == 0:  # no prefix: top-left and bottom-right causal alignment coincide
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               is_causal=True, scale=self.softmax_scale)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         else:  # query i sits at position pos0 + i and sees keys [0, pos0 + i]: bottom-right aligned
             mask = pos[None, :] <= (seg.pos0 + torch.arange(seg.rows, device=q.device))[:, None]
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               attn_mask=mask, scale=self.softmax_scale)
-        o = o[..., :c.v_head_dim]
-        return o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
+        return o[0, ..., :c.v_head_dim].transpose(0, 1)
