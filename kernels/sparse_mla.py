@@ -14,13 +14,13 @@ from .layouts import (KV_LORA_RANK, LATENT_DIM, LATENT_FP8_ROPE_OFFSET, LATENT_F
 
 def gather_latent_rows(latent_cache, slots, dtype):
     """Rows ``[..., 576]`` of the cache at ``slots`` (all >= 0), dequantized to ``dtype``."""
-    block_size = latent_cache.shape[1]
-    block, offset = slots // block_size, slots % block_size
+    flat = latent_cache.view(-1, latent_cache.shape[-1])  # [NB * P, row]: a slot indexes a row
+    rows = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, -1)
     if latent_cache_format(latent_cache) != "fp8":
-        return latent_cache[block, offset].to(dtype)
-    kv8, scale, k_pe = latent_fp8_views(latent_cache)
-    kv = kv8[block, offset].to(dtype).unflatten(-1, (-1, LATENT_FP8_TILE)) * scale[block, offset].to(dtype)[..., None]
-    return torch.cat((kv.flatten(-2), k_pe[block, offset].to(dtype)), dim=-1)
+        return rows.to(dtype)
+    kv8, scale, k_pe = latent_fp8_views(rows)
+    kv = kv8.to(dtype).unflatten(-1, (-1, LATENT_FP8_TILE)) * scale.to(dtype)[..., None]
+    return torch.cat((kv.flatten(-2), k_pe.to(dtype)), dim=-1)
 
 
 def sparse_mla_reference(q, latent_cache, slots, softmax_scale):
@@ -34,7 +34,7 @@ def sparse_mla_reference(q, latent_cache, slots, softmax_scale):
         sl = slots[t0:t0 + chunk].long()  # [C, K]
         valid = sl >= 0
         rows = gather_latent_rows(latent_cache, sl.clamp_min(0), dt)  # [C, K, 576]
-        rows = torch.where(valid[..., None], rows, 0)  # rows no slot names never reach the math
+        rows.masked_fill_(~valid[..., None], 0)  # rows no slot names never reach the math
         score = torch.einsum("chd,ckd->chk", q[t0:t0 + chunk].to(dt), rows) * softmax_scale
         score = torch.where(valid[:, None, :], score, float("-inf"))
         row_lse = torch.logsumexp(score, dim=-1)  # [C, H], -inf for rows with no valid slot
