@@ -1,8 +1,8 @@
 """``dsa bench plot``: figures from committed benchmark JSON (no GPU needed).
 
-- ``time_vs_context.png``: median time against context length for every op row that has one
-  (``S`` or ``L`` in its shape), one line per (op, impl, B), with the time the same-run copy
-  bandwidth needs for the row's bytes drawn dashed beside it (its floor).
+- ``time_vs_context.png``: one panel per op, median time against context length of its B=64 rows,
+  one line per (op, impl, N, cache format), with the row's floor at the same-run ceiling dashed
+  beside it (bytes at the copy bandwidth, or FLOPs at the matmul rate, by the row's bound).
 - ``dsa_vs_dense.png``: one layer's decode attention, DSA (indexer + top-k + sparse MLA) against
   the dense absorbed decode, by context length (from ``bench layer``).
 """
@@ -16,6 +16,16 @@ def _context(shape: dict):
     return shape.get("S", shape.get("L"))
 
 
+def _floor_us(row: dict, ceilings: dict):
+    """The row's time at its same-run ceiling: bytes at the copy bandwidth, or FLOPs at the matmul rate."""
+    bound = row.get("bound")
+    if bound == "copy" and row.get("bytes"):
+        return row["bytes"] / (ceilings["copy_tbps"] * 1e12) * 1e6
+    if bound in ("bf16", "fp8") and row.get("flops"):
+        return row["flops"] / (ceilings[f"{bound}_tflops"] * 1e12) * 1e6
+    return None
+
+
 def plot_results(results: str, out_dir: str) -> list:
     import matplotlib
     matplotlib.use("Agg")
@@ -27,28 +37,31 @@ def plot_results(results: str, out_dir: str) -> list:
         newest.setdefault(d["op"], d)
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    series = defaultdict(list)
+    panels = defaultdict(lambda: defaultdict(list))  # op -> (name, impl, N) -> [(S, us, floor us)]
     for op, d in newest.items():
-        copy = d["ceilings"]["copy_tbps"]
+        if op in ("crossover", "layer"):
+            continue
         for r in d["rows"]:
-            s = _context(r.get("shape", {}))
-            if s is None or r.get("median_us") is None or op in ("crossover", "layer"):
+            shape = r.get("shape", {})
+            s = _context(shape)
+            if s is None or r.get("median_us") is None or shape.get("B") != 64:
                 continue
-            key = (r["name"], r["impl"], r["shape"].get("B"), r["shape"].get("N", 1))
-            floor = r["bytes"] / (copy * 1e12) * 1e6 if r.get("bytes") else None
-            series[key].append((s, r["median_us"], floor))
-    if series:
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for (name, impl, b, n), pts in sorted(series.items(), key=lambda kv: str(kv[0])):
-            pts.sort()
-            if len(pts) < 2:
-                continue
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{name} [{impl}] B={b} N={n}")
-            if all(p[2] for p in pts):
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=line.get_color(), alpha=0.5)
-        ax.set(xscale="log", yscale="log", xlabel="context length", ylabel="median us (dashed: copy-bandwidth floor)",
-               title="time vs context, same-run ceilings")
-        ax.legend(fontsize=6, ncol=2)
+            panels[op][(r["name"], r["impl"], shape.get("N", 1), shape.get("cache", ""))].append(
+                (s, r["median_us"], _floor_us(r, d["ceilings"])))
+    panels = {op: {k: v for k, v in series.items() if len(v) > 1} for op, series in panels.items()}
+    panels = {op: series for op, series in panels.items() if series}
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+        for ax, (op, series) in zip(axes[0], sorted(panels.items())):
+            for (name, impl, n, cache), pts in sorted(series.items(), key=lambda kv: str(kv[0])):
+                pts.sort()
+                label = f"{name} [{impl}] N={n}" + (f" {cache}" if cache else "")
+                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+                if all(p[2] for p in pts):
+                    ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=line.get_color(), alpha=0.6)
+            ax.set(xscale="log", yscale="log", xlabel="context length", title=f"bench {op}, B=64",
+                   ylabel="median us (dashed: same-run ceiling floor)")
+            ax.legend(fontsize=7)
         paths.append(_save(fig, out_dir, "time_vs_context.png"))
     layer = newest.get("layer")
     if layer:
