@@ -14,16 +14,28 @@ def _num(x, fmt: str) -> str:
     return "" if x is None else format(x, fmt)
 
 
+def target(row: dict) -> tuple[str, bool | None]:
+    """The row's target as text and whether this run met it (None: no target)."""
+    if row.get("target_us") is not None:
+        return f"<= {row['target_us']:.0f} us", row["median_us"] <= row["target_us"]
+    if row.get("target_tflops") is not None and row.get("tflops") is not None:
+        return f">= {row['target_tflops']:.0f} TFLOP/s", row["tflops"] >= row["target_tflops"]
+    if row.get("target_speedup") is not None and row.get("speedup_vs_dense") is not None:
+        return (f">= {row['target_speedup']:g}x vs dense (got {row['speedup_vs_dense']:.1f}x)",
+                row["speedup_vs_dense"] >= row["target_speedup"])
+    return "", None
+
+
 def _cells(row: dict) -> list[str]:
     frac = row.get("frac_ceiling")
-    target = row.get("target_us")
+    text, met = target(row)
     return [row["name"], row["impl"], _shape(row.get("shape", {})), _num(row["median_us"], ".1f"),
             _num(row.get("tbps"), ".2f"), _num(row.get("tflops"), ".0f"),
             "" if frac is None else f"{100 * frac:.0f}% {row.get('bound', '')}",
-            "" if target is None else f"<= {target:g}"]
+            text + ("" if met is None else " (met)" if met else " (missed)")]
 
 
-HEAD = ["op", "impl", "shape", "median us", "TB/s", "TFLOP/s", "of same-run ceiling", "target us"]
+HEAD = ["op", "impl", "shape", "median us", "TB/s", "TFLOP/s", "of same-run ceiling", "target"]
 
 
 def format_rows(rows: list) -> str:
@@ -46,7 +58,7 @@ def load_results(folder: str) -> list[dict]:
 
 
 def render_markdown(docs: list[dict]) -> str:
-    """README tables: the ceilings of each run, then the rows of the newest run of each op."""
+    """README tables: the ceilings of each run, then the rows with a target of the newest run of each op."""
     if not docs:
         return "_No benchmark results committed yet._"
     lines = ["| result file | GPU | copy TB/s | bf16 TFLOP/s | fp8 TFLOP/s | torch | triton | git |",
@@ -61,9 +73,10 @@ def render_markdown(docs: list[dict]) -> str:
         lines.append(f"| `{d['path']}` | {e.get('gpu', '?')} | {c['copy_tbps']:.2f} | {c['bf16_tflops']:.0f} | "
                      f"{c['fp8_tflops']:.0f} | {e.get('torch', '')} | {e.get('triton', '')} | "
                      f"`{e.get('git_sha', '')[:10]}` |")
-    rows = [r for d in sorted(newest, key=lambda d: d["op"]) for r in d["rows"]]
+    rows = [r for d in sorted(newest, key=lambda d: d["op"]) for r in d["rows"] if target(r)[1] is not None]
     if rows:
-        lines += ["", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+        lines += ["", "Rows with a target (every other row is in the JSON):", "",
+                  "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
         lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     return "\n".join(lines)
 
