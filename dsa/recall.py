@@ -174,53 +174,42 @@ def _mean_skip(xs):
     return _mean([x for x in xs if x is not None])
 
 
+def _curves(ax, rows: list, x: str) -> None:
+    """Mass recall, the best possible, and FP8-vs-exact agreement (where measured) against ``x``."""
+    rows = [r for r in rows if r["mass_recall"] is not None]
+    xs = [r[x] for r in rows]
+    ax.plot(xs, [r["mass_recall"] for r in rows], "o-", label="mass recall (selection used)")
+    ax.plot(xs, [r["best_mass_recall"] for r in rows], "s--", label="best possible (true top-k)")
+    fp8 = [(r[x], r["fp8_vs_exact_recall"]) for r in rows if r.get("fp8_vs_exact_recall") is not None]
+    if fp8:
+        ax.plot(*zip(*fp8), "^:", label="FP8 vs exact top-k recall")
+
+
 def plot(result: dict, out_dir: str) -> list:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .bench.plot import save_figure
+
+    figures = [("recall_by_layer.png", result["layers"], "layer",
+                dict(xlabel="layer (shaded: reuses an earlier selection)", ylabel="recall",
+                     title=f"top-{result['args']['index_topk']} recall by layer")),
+               ("recall_by_position.png", result["by_position"], "position",
+                dict(xlabel="query position", ylabel="attention mass captured (mean over layers)")),
+               ("recall_by_k.png", result["by_k"], "k", dict(xscale="log", xlabel="k", ylabel="recall (mean over layers)"))]
     paths = []
-    layers = result["layers"]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    xs = [r["layer"] for r in layers]
-    ax.plot(xs, [r["mass_recall"] for r in layers], "o-", label="mass recall (selection used)")
-    ax.plot(xs, [r["best_mass_recall"] for r in layers], "s--", label="best possible (true top-k)")
-    fp8 = [(r["layer"], r["fp8_vs_exact_recall"]) for r in layers if r["fp8_vs_exact_recall"] is not None]
-    if fp8:
-        ax.plot(*zip(*fp8), "^:", label="FP8 vs exact top-k recall")
-    for r in layers:
-        if not r["runs_indexer"]:
-            ax.axvspan(r["layer"] - 0.5, r["layer"] + 0.5, color="0.9", zorder=0)
-    ax.set(xlabel="layer (shaded: reuses an earlier selection)", ylabel="recall", ylim=(0, 1.05),
-           title=f"top-{result['args']['index_topk']} recall by layer")
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, out_dir, "recall_by_layer.png"))
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    pos = [r for r in result["by_position"] if r["mass_recall"] is not None]
-    ax.plot([r["position"] for r in pos], [r["mass_recall"] for r in pos], "o-", label="mass recall")
-    ax.plot([r["position"] for r in pos], [r["best_mass_recall"] for r in pos], "s--", label="best possible")
-    ax.set(xlabel="query position", ylabel="attention mass captured (mean over layers)", ylim=(0, 1.05))
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, out_dir, "recall_by_position.png"))
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ks = [r for r in result["by_k"] if r["mass_recall"] is not None]
-    ax.plot([r["k"] for r in ks], [r["mass_recall"] for r in ks], "o-", label="mass recall")
-    ax.plot([r["k"] for r in ks], [r["best_mass_recall"] for r in ks], "s--", label="best possible")
-    fk = [r for r in ks if r["fp8_vs_exact_recall"] is not None]
-    ax.plot([r["k"] for r in fk], [r["fp8_vs_exact_recall"] for r in fk], "^:", label="FP8 vs exact")
-    ax.set(xscale="log", xlabel="k", ylabel="recall (mean over layers)", ylim=(0, 1.05))
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, out_dir, "recall_by_k.png"))
+    for name, rows, x, labels in figures:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        _curves(ax, rows, x)
+        if x == "layer":
+            for r in rows:
+                if not r["runs_indexer"]:
+                    ax.axvspan(r["layer"] - 0.5, r["layer"] + 0.5, color="0.9", zorder=0)
+        ax.set(ylim=(0, 1.05), **labels)
+        ax.legend(fontsize=8)
+        paths.append(save_figure(fig, out_dir, name))
     return paths
-
-
-def _save(fig, out_dir, name):
-    path = os.path.join(out_dir, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-    plt.close(fig)
-    return path
 
 
 def run(args) -> int:

@@ -62,7 +62,7 @@ def plot_results(results: str, out_dir: str) -> list:
             ax.set(xscale="log", yscale="log", xlabel="context length", title=f"bench {op}, B=64",
                    ylabel="median us (dashed: same-run ceiling floor)")
             ax.legend(fontsize=7)
-        paths.append(_save(fig, out_dir, "time_vs_context.png"))
+        paths.append(save_figure(fig, out_dir, "time_vs_context.png"))
     layer = newest.get("layer")
     if layer:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -77,11 +77,11 @@ def plot_results(results: str, out_dir: str) -> list:
         ax.set(xscale="log", yscale="log", xlabel="context length", ylabel="median us per layer decode step",
                title="one layer's decode attention: DSA vs dense (H200)")
         ax.legend(fontsize=8)
-        paths.append(_save(fig, out_dir, "dsa_vs_dense.png"))
+        paths.append(save_figure(fig, out_dir, "dsa_vs_dense.png"))
     return paths
 
 
-def _save(fig, out_dir, name):
+def save_figure(fig, out_dir: str, name: str) -> str:
     import matplotlib.pyplot as plt
     path = os.path.join(out_dir, name)
     fig.tight_layout()
