@@ -87,7 +87,9 @@ def run(args) -> int:
     prefill_tokens = args.batch * context
     dsa_bytes = bytes_per_token(cfg, model.dtype)
     dense_bytes = bytes_per_token(cfg.replace(index_topk=None), model.dtype)
+    from .bench.harness import env_info
     result = {
+        "env": env_info(),
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "model": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
                   "index_heads": cfg.index_n_heads, "index_topk": cfg.index_topk, "dtype": str(model.dtype),
