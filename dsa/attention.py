@@ -62,7 +62,7 @@ class DSAAttention(nn.Module):
         write_latent(latent, kv_c, k_pe, plan.slot_mapping)
 
         selected = reused
-        if self.indexer is not None and c.index_topk is not None:
+        if self.indexer is not None:
             selected = self.indexer(x, qr, plan, index_cache, cos, sin, c.index_topk)
 
         out = torch.full((t, h, c.v_head_dim), float("nan"), dtype=x.dtype, device=x.device)

@@ -136,11 +136,8 @@ class Engine:
         self.stats["tokens"] += len(ids)
         return produced
 
-    def generate(self, prompts, max_new_tokens: int, progress=None) -> list:
-        """Greedy completions (generated tokens only) of each prompt, in order.
-
-        ``progress``: an optional callable run after every step with the engine.
-        """
+    def generate(self, prompts, max_new_tokens: int) -> list:
+        """Greedy completions (generated tokens only) of each prompt, in order."""
         rids = [self.add_request(p, max_new_tokens) for p in prompts]
         out = {rid: [] for rid in rids}
         pending = set(rids)
@@ -153,6 +150,4 @@ class Engine:
                     out[rid].extend(toks)
             waiting = {r.rid for r in self.waiting}
             pending = {r for r in pending if r in self.running or r in waiting}
-            if progress is not None:
-                progress(self)
         return [out[r] for r in rids]
