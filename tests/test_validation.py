@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from dsa import kernels as K
-from dsa.kernels.common import TRITON_INTERPRET
 
 LAT = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
 IDX = torch.zeros(2, 16 * 132, dtype=torch.uint8)

@@ -1,5 +1,4 @@
 """``python -m dsa bench <op>``: same-run ceilings, then the op, results as JSON under benchmarks/results/."""
-import argparse
 import importlib
 
 from .harness import Timer, env_info, measure_ceilings, require_cuda, write_result

@@ -16,25 +16,19 @@ import os
 
 import torch
 
-from dsa.config import DSAConfig
-from dsa.kernels import dense_mla_decode, positions_to_slots, sparse_mla
 from dsa.cache import LatentCache
-from dsa.model import DSAModel
+from dsa.kernels import dense_mla_decode, positions_to_slots, sparse_mla
 from dsa.plan import BatchPlan
 from dsa.testing import random_block_tables
 
 from .harness import gpu_slug, result_row
+from .layer import v32_attention
 
 P = 64
 
 
-def _attention(device):
-    cfg = DSAConfig.deepseek_v32(num_hidden_layers=1, n_routed_experts=None, vocab_size=256)
-    return DSAModel.random(cfg, seed=0, dtype=torch.bfloat16, device=device).layers[0].self_attn
-
-
 def run(device, timer, ceilings, args) -> list:
-    attn = _attention(device)
+    attn = v32_attention(device)
     c = attn.config
     h = c.num_attention_heads
     g = torch.Generator().manual_seed(0)

@@ -28,14 +28,20 @@ def check_logits(name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
         raise RuntimeError(f"{name}: calc_diff {diff:.3g} against the reference (want < 1e-6)")
 
 
-def paged_inputs(b: int, n: int, s: int, device, seed: int = 0):
-    """Random FP8 queries/weights and a random planar cache over non-contiguous blocks."""
-    table, nb = random_block_tables([s] * b, P, generator=torch.Generator().manual_seed(seed))
-    g = torch.Generator(device=device).manual_seed(seed)
+def random_index_cache(nb: int, device, g: torch.Generator) -> torch.Tensor:
+    """A planar FP8 indexer cache ``uint8 [nb, P * 132]`` of random keys and scales in [0.5, 1.5)."""
     cache = torch.empty(nb, P * (DI + 4), dtype=torch.uint8, device=device)
     cache[:, :P * DI] = (torch.randn(nb, P * DI, generator=g, device=device).clamp(-8, 8)
                          .to(torch.float8_e4m3fn).view(torch.uint8))
     cache[:, P * DI:].view(torch.float32).copy_(torch.rand(nb, P, generator=g, device=device) + 0.5)
+    return cache
+
+
+def paged_inputs(b: int, n: int, s: int, device, seed: int = 0):
+    """Random FP8 queries/weights and a random planar cache over non-contiguous blocks."""
+    table, nb = random_block_tables([s] * b, P, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator(device=device).manual_seed(seed)
+    cache = random_index_cache(nb, device, g)
     q8 = torch.randn(b, n, HI, DI, generator=g, device=device).to(torch.float8_e4m3fn)
     weights = torch.randn(b, n, HI, generator=g, device=device)
     seq_lens = torch.full((b,), s, dtype=torch.int32, device=device)

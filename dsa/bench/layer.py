@@ -14,11 +14,13 @@ from dsa.model import DSAModel
 from dsa.testing import random_block_tables
 
 from .harness import result_row
+from .indexer import random_index_cache
 
 P, K = 64, 2048
 
 
-def _layer(device):
+def v32_attention(device):
+    """One DSAAttention with V3.2 shapes and random weights (seed 0), bf16."""
     cfg = DSAConfig.deepseek_v32(num_hidden_layers=1, n_routed_experts=None, vocab_size=256)
     return DSAModel.random(cfg, seed=0, dtype=torch.bfloat16, device=device).layers[0].self_attn
 
@@ -26,15 +28,12 @@ def _layer(device):
 def _caches(b: int, s: int, device, g):
     table, nb = random_block_tables([s] * b, P, generator=g)
     latent = (torch.randn(nb, P, 576, device=device) * 0.5).to(torch.bfloat16)
-    index = torch.empty(nb, P * 132, dtype=torch.uint8, device=device)
-    index[:, :P * 128] = (torch.randn(nb, P * 128, device=device).clamp(-8, 8).to(torch.float8_e4m3fn)
-                          .view(torch.uint8))
-    index[:, P * 128:].view(torch.float32).copy_(torch.rand(nb, P, device=device) + 0.5)
+    index = random_index_cache(nb, device, torch.Generator(device=device).manual_seed(s))
     return latent, index, table.to(device)
 
 
 def run(device, timer, ceilings, args) -> list:
-    attn = _layer(device)
+    attn = v32_attention(device)
     c = attn.config
     g = torch.Generator().manual_seed(0)
     rows = []
