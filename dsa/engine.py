@@ -4,6 +4,11 @@ A request reserves blocks for ``len(prompt) + max_new_tokens`` when it is admitt
 preemption, no deadlock); requests that do not fit yet wait in order; one that could never fit
 is refused at ``add_request``. Each step serves every decoding request one token, then fills the
 rest of ``max_batch_tokens`` with prefill chunks. Sampling is greedy.
+
+Batch invariance: every op a row goes through depends on that row alone (the top-k's tie rule
+gives the lowest positions at the k-th value, whatever the row's padding or batch), so in float32
+a request's tokens are the same alone, in any batch, in any order and at any chunk size, up to
+floating-point near-ties of the projections (batched and single-row matmuls differ by ~1e-5).
 """
 import itertools
 from collections import deque

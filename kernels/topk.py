@@ -1,4 +1,15 @@
-"""topk_indices and topk_slots: the best ``k`` columns of each row, as positions or as cache slots."""
+"""topk_indices and topk_slots: the best ``k`` columns of each row, as positions or as cache slots.
+
+Selection rule, the same on every backend (the torch reference and the Triton kernel), for any row
+width, padding, ``starts`` and batch composition:
+
+- order: fp32 values by their bits (``_order_key``): +NaN above +inf, -NaN below -inf, -0.0 below
+  +0.0; equal bit patterns (NaN ones included) tie like any value;
+- ties: among values equal to the k-th largest, the lowest positions are selected.
+
+So a row's selection is a function of that row's valid window alone: it does not change with how
+far the row is padded, with the other rows of the batch, or with the device.
+"""
 import torch
 import triton
 import triton.language as tl
@@ -8,18 +19,33 @@ from .slots import positions_to_slots_reference
 
 
 def _order_key(values: torch.Tensor) -> torch.Tensor:
-    """int64 keys that order like the fp32 values (NaN sorts by its bits; its rank is unspecified)."""
+    """int64 keys in ``[-2**31, 2**31)`` that order like the fp32 values; NaN ranks by its bits
+    (+NaN above +inf, -NaN below -inf)."""
     bits = values.float().contiguous().view(torch.int32).long()
     return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
+def _rank_key(values: torch.Tensor) -> torch.Tensor:
+    """Distinct int64 keys ``[R, L]`` that order like ``_order_key`` with ties broken by column, the
+    lowest column ranking highest: ``key * 2**31 + (2**31 - 1 - column)`` (columns < 2**31)."""
+    cols = torch.arange(values.shape[-1], device=values.device)
+    return _order_key(values) * (1 << 31) + ((1 << 31) - 1 - cols)
+
+
 def topk_indices_reference(logits, lengths, k, starts=None):
+    """Per row, the positions of the ``min(k, length)`` largest values of its window
+    ``logits[r, start : start + length]`` (``length`` clipped to the row end), ranked by
+    ``(_order_key(value), -column)``: the k-th largest value's ties go to the lowest positions.
+
+    Rows with ``length <= k`` are ``0 .. length - 1`` in order; longer rows in descending rank;
+    ``-1`` pads every row to ``k``. The keys are distinct, so ``torch.topk`` has no ties to break.
+    """
     r, width = logits.shape
     start = torch.zeros(r, dtype=torch.long, device=logits.device) if starts is None else starts.long()
     length = torch.minimum(lengths.long(), (width - start).clamp_min(0)).clamp_min(0)  # [R]
     cols = torch.arange(width, device=logits.device)
     valid = (cols >= start[:, None]) & (cols < (start + length)[:, None])
-    keys = torch.where(valid, _order_key(logits), torch.iinfo(torch.int64).min)  # [R, L]
+    keys = torch.where(valid, _rank_key(logits), torch.iinfo(torch.int64).min)  # [R, L], distinct where valid
     slot = torch.arange(k, device=logits.device)
     if width >= k:
         best = keys.topk(k, dim=1).indices - start[:, None]  # [R, k] relative positions
@@ -294,9 +320,12 @@ def topk_indices(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: to
     Returns:
         ``[R, k]`` int32 positions relative to ``start``, ``-1`` padded at the end of each row.
         A row with ``length <= k`` is exactly ``0, 1, ..., length - 1``. Otherwise the order is
-        unspecified and the set is a valid top-k: every selected logit >= every unselected
-        valid one (ties either way). Whatever the logits hold (NaN, inf), a row holds
-        exactly ``min(k, length)`` distinct in-range positions.
+        unspecified and the set is fixed: every selected logit >= every unselected valid one,
+        and among logits equal to the k-th largest the lowest positions are selected. Values
+        rank by their fp32 bits (+NaN above +inf, -NaN below -inf), so the set is a function
+        of the row's window alone: the same at any padding width, in any batch, on any backend.
+        Whatever the logits hold, a row holds exactly ``min(k, length)`` distinct in-range
+        positions.
     """
     device = _check_topk_args(logits, lengths, k, starts)
     impl = resolve_backend(backend, device, "topk_indices")

@@ -1,7 +1,7 @@
 """Triton top-k (``topk_indices`` / ``topk_slots``) under the CPU interpreter, at small odd shapes.
 
-Selections are compared with the reference tie-aware (the multiset of selected order keys), never
-by index. ``block=64, programs=40`` splits rows of a few hundred columns into several chunks, so the
+Selections are compared with the reference as sets: the tie rule (lowest positions win at the k-th
+value; NaN ranks by its bits) fixes the set, so both backends must pick the same positions. ``block=64, programs=40`` splits rows of a few hundred columns into several chunks, so the
 cross-chunk offsets and the candidate spans are exercised as on the GPU.
 """
 import pytest
@@ -17,7 +17,8 @@ POISON = -7  # never a valid output: rows must overwrite every element
 
 def check_topk(out, logits, lengths, k, starts=None, ref=None):
     """Every row: ``min(k, length)`` distinct in-range positions then -1; dense rows exactly 0..n-1;
-    longer rows a valid top-k whose multiset of order keys equals the reference's."""
+    longer rows a valid top-k whose ties at the k-th value went to the lowest positions, and (given
+    ``ref``) the same set of positions as the reference."""
     r, width = logits.shape
     st = torch.zeros(r, dtype=torch.long, device=logits.device) if starts is None else starts.long()
     ln = torch.minimum(lengths.long(), (width - st).clamp_min(0)).clamp_min(0)
@@ -41,10 +42,15 @@ def check_topk(out, logits, lengths, k, starts=None, ref=None):
     lowest = torch.where(picked, keys, torch.iinfo(torch.int64).max).min(dim=1).values
     rest = torch.where(valid & ~picked, keys, torch.iinfo(torch.int64).min).max(dim=1).values
     assert torch.all(lowest >= rest), "a selected value is below an unselected valid one"
+    # tie rule: an unselected valid column holding the k-th value lies after every selected one holding it
+    at_kth = valid & (keys == lowest[:, None])
+    last_picked = torch.where(picked & at_kth, cols, -1).max(dim=1).values
+    first_left = torch.where(~picked & at_kth, cols, width).min(dim=1).values
+    assert torch.all(last_picked < first_left), "a tie at the k-th value did not go to the lowest positions"
     if ref is not None:
-        mine = keys.gather(1, out[long_rows] + s).sort(dim=1).values
-        theirs = keys.gather(1, ref[long_rows].long() + s).sort(dim=1).values
-        assert torch.equal(mine, theirs), "selected values differ from the reference's"
+        mine, theirs = out[long_rows].sort(dim=1).values, ref[long_rows].long().sort(dim=1).values
+        bad = (mine != theirs).any(dim=1).nonzero().flatten().tolist()
+        assert not bad, f"rows {bad[:8]} select other positions than the reference"
 
 
 def adversarial_rows(width, k, g):
@@ -130,3 +136,55 @@ def test_public_ops_run_triton_and_slots_match_positions():
     slots = K.topk_slots(logits, lengths, k, table, row_to_req, seq_lens, p, starts, backend="triton")
     assert torch.equal(slots, positions_to_slots_reference(pos, table, row_to_req, seq_lens, p))
     assert (slots == -1).sum() > (pos == -1).sum()  # the edges above were reached
+
+
+def _tied_row(width, k, kind, g):
+    """A row whose k-th largest value is tied with many others."""
+    if kind == "relu_zeros":  # the indexer's ReLU: most logits exactly 0, a few positive
+        return torch.where(torch.rand(width, generator=g) < k / (2 * width), torch.rand(width, generator=g), 0.0)
+    if kind == "fp8_values":  # few distinct values, as e4m3 products give
+        return torch.randn(width, generator=g).to(torch.float8_e4m3fn).float().clamp(-1, 1).round()
+    # NaN mixed in: +NaN and -NaN patterns, infinities, and a tied plateau at the threshold
+    row = torch.where(torch.rand(width, generator=g) < 0.5, 2.0, torch.randn(width, generator=g).clamp(-1, 1))
+    bits = row.view(torch.int32)
+    bits[torch.rand(width, generator=g) < 0.05] = 0x7FC00000  # +NaN: ranks above +inf
+    bits[torch.rand(width, generator=g) < 0.05] = -4194304  # 0xFFC00000, -NaN: ranks below -inf
+    row[torch.rand(width, generator=g) < 0.02] = float("inf")
+    return row
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kind", ["relu_zeros", "fp8_values", "nan_mixed"])
+def test_tied_row_selects_the_same_set_at_any_padding_and_batch(kind, backend):
+    """The row's selection is a function of its window alone: padded by 0, 1, 28 or 157 columns of
+    anything, shifted by ``starts``, batched with wider rows; the same positions on both backends."""
+    g = torch.Generator().manual_seed(len(kind))
+    width, k = 203, 32
+    row = _tied_row(width, k, kind, g)
+    alone = K.topk_indices_reference(row[None], torch.tensor([width], dtype=torch.int32), k)[0]
+    expect = alone.sort().values
+    for pad in (0, 1, 28, 157):
+        shifts = (0, 9)
+        logits = torch.randn(3, 9 + width + pad, generator=g)  # row 2, a wider row of the batch
+        lengths = torch.tensor([width, width, 9 + width + pad], dtype=torch.int32)
+        starts = torch.tensor([*shifts, 0], dtype=torch.int32)
+        for r, shift in enumerate(shifts):
+            logits[r, :shift] = float("nan")  # whatever lies before the window
+            logits[r, shift:shift + width] = row
+            logits[r, shift + width:] = float("inf")  # and after it: never selected, it is outside
+        if backend == "triton":
+            out = _topk_triton(logits, lengths, k, starts, **SMALL)
+        else:
+            out = K.topk_indices(logits, lengths, k, starts, backend="torch")
+        for r, shift in enumerate(shifts):
+            assert torch.equal(out[r].sort().values, expect), f"pad {pad}, start {shift}: the selection moved"
+
+
+def test_ties_go_to_the_lowest_positions():
+    logits = torch.zeros(2, 100)
+    logits[0, 50:] = 1.0  # 50 ones, k = 60: the ones and the first 10 zeros
+    logits[1] = float("nan")  # +NaN everywhere: equal bit patterns tie; the first k positions
+    lengths = torch.tensor([100, 100], dtype=torch.int32)
+    want = [list(range(10)) + list(range(50, 100)), list(range(60))]
+    for out in (K.topk_indices_reference(logits, lengths, 60), _topk_triton(logits, lengths, 60, None, **SMALL)):
+        assert [sorted(r) for r in out.tolist()] == want

@@ -58,15 +58,36 @@ def gpu_slug(name: str) -> str:
     return "-".join(words[:2]) or "gpu"
 
 
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph (after a warm-up call on a side stream, which also
+    compiles any Triton kernel); returns the graph's ``replay``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 class Timer:
-    """Median of CUDA-event timings, the L2 flushed (a 256 MiB memset) before every call."""
+    """Median of CUDA-event timings, the L2 flushed (a 256 MiB memset) before every call.
+
+    ``timer(fn)`` times eager calls (host launch cost included); ``timer(fn, graph=True)`` captures
+    ``fn`` once in a CUDA graph and times its replays, the flush running eagerly outside the graph:
+    the device time of the op as a decode step replays it.
+    """
 
     def __init__(self, device, reps: int = 30, warmup: int = 3, flush: bool = True):
         self.reps, self.warmup = reps, warmup
         self.flush_buf = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if flush else None
 
-    def __call__(self, fn, reps: int | None = None) -> dict:
+    def __call__(self, fn, reps: int | None = None, *, graph: bool = False) -> dict:
         reps = reps or self.reps
+        if graph:
+            fn = graphed(fn)
         for _ in range(self.warmup):
             fn()
         torch.cuda.synchronize()
