@@ -10,6 +10,9 @@ Per step (rows from a :class:`dsa.plan.BatchPlan`)::
     dense rows:  dense_mla_decode / sparse kernel with every position (decode), MHA via SDPA or the
                  absorbed kernel (prefill): the same function, chosen for speed by the plan
     out [T, H, 512] @ W_UV -> [T, H, D_V] -> o_proj
+
+Decode rows of a model with an indexer always take top-k + the sparse kernel (a row whose context
+fits in ``index_topk`` is handed every position), so a row's kernel never depends on its batch.
 """
 import torch
 import torch.nn.functional as F
@@ -17,7 +20,7 @@ from torch import nn
 
 from dsa.cache import IndexerKeyCache, LatentCache, write_latent
 from dsa.indexer import LightningIndexer
-from dsa.kernels import apply_rope, dense_mla_decode, positions_to_slots, sparse_mla
+from dsa.kernels import apply_rope, dense_mla_decode, sparse_mla
 from dsa.kernels.sparse_mla import gather_latent_rows
 
 from .absorb import absorb_kv_b
@@ -26,6 +29,9 @@ from .layers import RMSNorm
 
 
 class DSAAttention(nn.Module):
+    """MLA with DSA: projections, RoPE, the latent-cache write, the layer's indexer (or the reused
+    selection), and attention per row path; weights absorbed once by :meth:`absorb`."""
+
     def __init__(self, config: DSAConfig, layer_id: int):
         super().__init__()
         c = self.config = config
@@ -52,37 +58,45 @@ class DSAAttention(nn.Module):
         self.w_uk_t, self.w_uv = absorb_kv_b(self.kv_b_proj.weight.detach(), c.num_attention_heads,
                                              c.qk_nope_head_dim, c.v_head_dim)
 
-    def forward(self, x: torch.Tensor, plan, latent: LatentCache, index_cache: IndexerKeyCache | None, cos, sin,
-                reused: dict | None, stats: dict) -> tuple[torch.Tensor, dict | None]:
-        """``x [T, hidden]`` -> ``[T, hidden]``; also returns the top-k slots the sparse rows used
-        (``{path: [rows, K] int32}``), for the layers after it that skip the indexer."""
-        c = self.config
+    def forward(self, x: torch.Tensor, step) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]`` for the rows of ``step.plan`` (a ``StepContext``);
+        a layer that runs its indexer leaves its selection in ``step.selection`` for the layers
+        after it that skip theirs."""
+        c, plan = self.config, step.plan
         t, h = x.shape[0], c.num_attention_heads
-        qr, q_nope, q_pe, kv_c, k_pe = self.project(x, plan.positions, cos, sin)
+        latent, index_cache = step.caches.latent[self.layer_id], step.caches.index[self.layer_id]
+        qr, q_nope, q_pe, kv_c, k_pe = self.project(x, plan.positions, step.cos, step.sin)
         write_latent(latent, kv_c, k_pe, plan.slot_mapping)
-
-        selected = reused
         if self.indexer is not None:
-            selected = self.indexer(x, qr, plan, index_cache, cos, sin, c.index_topk)
+            step.selection = self.indexer(x, qr, plan.indexer, index_cache, step.cos, step.sin)
 
+        d, sparse_rows = plan.decode, plan.sparse_prefill_rows
+        absorbed = d is not None or sparse_rows is not None or plan.absorbed
+        q_abs = self.absorbed_query(q_nope, q_pe) if absorbed else None  # [T, H, 576]
+        if d is not None and plan.decode_only:  # every row decodes: no gather, no scatter
+            return self.o_proj(self._up_v(self._decode(q_abs, d, latent, step.selection)).flatten(1))
         out = torch.full((t, h, c.v_head_dim), float("nan"), dtype=x.dtype, device=x.device)
-        absorbed = ("sparse_decode", "sparse_prefill", "dense_decode", "dense_prefill_absorbed")
-        q_abs = self.absorbed_query(q_nope, q_pe) if any(plan.segments[p] for p in absorbed) else None  # [T, H, 576]
-        for path in ("sparse_decode", "sparse_prefill"):
-            rows = plan.rows_of(path)
-            if len(rows):
-                o, _ = sparse_mla(q_abs[rows], latent.data, selected[path], self.softmax_scale)
-                out[rows] = self._up_v(o)
-        self._dense_decode(q_abs, plan, latent, out)
-        for seg in plan.segments["dense_prefill_absorbed"]:
+        if d is not None:
+            out[d.rows] = self._up_v(self._decode(q_abs[d.rows], d, latent, step.selection))
+        if sparse_rows is not None:
+            o, _ = sparse_mla(q_abs[sparse_rows], latent.data, step.selection.prefill, self.softmax_scale)
+            out[sparse_rows] = self._up_v(o)
+        for seg in plan.absorbed:
             rows = slice(seg.row0, seg.row1)
-            o, _ = dense_mla_decode(q_abs[rows].unsqueeze(0), latent.data, plan.block_table[seg.req:seg.req + 1],
-                                    torch.tensor([seg.seq_len], dtype=torch.int32, device=x.device), self.softmax_scale)
+            o, _ = dense_mla_decode(q_abs[rows].unsqueeze(0), latent.data, seg.block_table, seg.seq_len_t,
+                                    self.softmax_scale)
             out[rows] = self._up_v(o[0])
-        for seg in plan.segments["dense_prefill_mha"]:
-            out[seg.row0:seg.row1] = self._mha(q_nope[seg.row0:seg.row1], q_pe[seg.row0:seg.row1], seg, plan, latent,
-                                               stats)
-        return self.o_proj(out.flatten(1)), selected
+        for seg in plan.mha:
+            rows = slice(seg.row0, seg.row1)
+            out[rows] = self._mha(q_nope[rows], q_pe[rows], seg, latent)
+        return self.o_proj(out.flatten(1))
+
+    def _decode(self, q_abs: torch.Tensor, d, latent: LatentCache, selection) -> torch.Tensor:
+        """Latent-space attention ``[R, H, 512]`` of the decode rows: top-k + sparse kernel with an
+        indexer (a short row's top-k is every position), the dense absorbed kernel without one."""
+        if self.config.index_topk is not None:
+            return sparse_mla(q_abs, latent.data, selection.decode, self.softmax_scale)[0]
+        return dense_mla_decode(q_abs.unsqueeze(1), latent.data, d.block_table, d.seq_lens, self.softmax_scale)[0][:, 0]
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, cos, sin):
         """``(qr [T, q_lora], q_nope [T, H, D_NOPE], q_pe [T, H, D_R], kv_c [T, 512], k_pe [T, 64])``,
@@ -106,47 +120,23 @@ class DSAAttention(nn.Module):
         """Latent-space output ``[R, H, 512]`` -> ``[R, H, D_V]``."""
         return torch.einsum("thr,hrd->thd", o, self.w_uv)
 
-    def _dense_decode(self, q_abs, plan, latent, out) -> None:
-        segs = plan.segments["dense_decode"]
-        if not segs:
-            return
-        rows = plan.rows_of("dense_decode")
-        reqs = torch.tensor([s.req for s in segs], device=rows.device)
-        table, lens = plan.block_table[reqs], plan.seq_lens[reqs]
-        if plan.decode_sparse_kernel:  # the same function through the sparse kernel, every position selected
-            width = -(-max(s.seq_len for s in segs) // 16) * 16  # the Triton kernel takes K in multiples of 16
-            positions = torch.arange(width, dtype=torch.int32, device=rows.device).expand(len(segs), width)
-            slots = positions_to_slots(positions.contiguous(), table,
-                                       torch.arange(len(segs), dtype=torch.int32, device=rows.device), lens,
-                                       plan.block_size)
-            o, _ = sparse_mla(q_abs[rows], latent.data, slots, self.softmax_scale)
-        else:
-            o, _ = dense_mla_decode(q_abs[rows].unsqueeze(1), latent.data, table, lens, self.softmax_scale)
-            o = o[:, 0]
-        out[rows] = self._up_v(o)
-
-    def _mha(self, q_nope, q_pe, seg, plan, latent, stats) -> torch.Tensor:
-        """Up-projected MHA for one request's dense prefill rows (SDPA, bottom-right causal mask)."""
+    def _mha(self, q_nope, q_pe, seg, latent: LatentCache) -> torch.Tensor:
+        """Up-projected MHA for one request's dense prefill rows (SDPA, bottom-right causal mask).
+        Its workspace (the up-projected K/V, the keys, V padded) is bounded by the plan."""
         c = self.config
         h, s = c.num_attention_heads, seg.seq_len
-        pos = torch.arange(s, device=q_nope.device)
-        slots = plan.block_table[seg.req].long()[pos // plan.block_size] * plan.block_size + pos % plan.block_size
-        rows = gather_latent_rows(latent.data, slots, q_nope.dtype)  # [S, 576]
+        rows = gather_latent_rows(latent.data, seg.slots.long(), q_nope.dtype)  # [S, 576]
         kv = F.linear(rows[:, :c.kv_lora_rank], self.kv_b_proj.weight).view(s, h, -1)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat((k_nope, rows[:, None, c.kv_lora_rank:].expand(s, h, c.qk_rope_head_dim)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)  # [Q, H, 192]
-        padded = 0
         if v.shape[-1] != k.shape[-1]:  # equal head dims let SDPA pick a fused kernel instead of the math path
             v = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
-            padded = v.numel()
-        # the workspace: the up-projected [S, H, D_NOPE + D_V], the [S, H, D_NOPE + D_R] keys (and padded values)
-        stats["workspace_bytes"] = max(stats.get("workspace_bytes", 0),
-                                       (kv.numel() + k.numel() + padded) * k.element_size())
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, len, D]: 4-D for the fused kernels
         if seg.pos0 == 0:  # no prefix: top-left and bottom-right causal alignment coincide
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         else:  # query i sits at position pos0 + i and sees keys [0, pos0 + i]: bottom-right aligned
+            pos = torch.arange(s, device=q.device)
             mask = pos[None, :] <= (seg.pos0 + torch.arange(seg.rows, device=q.device))[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
         return o[0, ..., :c.v_head_dim].transpose(0, 1)

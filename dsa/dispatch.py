@@ -1,12 +1,13 @@
 """Choices between implementations of the SAME function (never which positions a query attends to).
 
-- decode rows whose whole context fits in ``index_topk``: the dense absorbed kernel, or the sparse
-  kernel handed every position;
-- dense prefill rows: up-projected MHA (SDPA) or the absorbed kernel.
+Dense prefill rows take up-projected MHA (SDPA) or the absorbed kernel. (Decode rows have no
+choice: with an indexer every decode row takes top-k + the sparse kernel, a short row being handed
+every position, so that a row's kernel never depends on its batch and decode steps can be
+captured in CUDA graphs; without an indexer they take the dense absorbed kernel.)
 
-Thresholds come from a JSON file measured by ``python -m dsa bench crossover``
+The threshold comes from a JSON file measured by ``python -m dsa bench crossover``
 (``config.dispatch_thresholds`` names one; the H200 file under ``dsa/data/`` is the default on
-Hopper); with none, the seed's analytic FLOP rule decides prefill and decode uses the dense kernel.
+Hopper); with none, the analytic FLOP rule below decides.
 """
 import json
 import os
@@ -21,14 +22,12 @@ PACKAGED = {(9, 0): os.path.join(os.path.dirname(__file__), "data", "dispatch_h2
 
 @dataclass(frozen=True)
 class Dispatch:
-    """``decode_sparse_max_len``: decode rows with ``S <=`` this use the sparse kernel with every
-    position (0: never). ``prefill_mha_min_query``: dense prefill uses MHA from this many query rows
-    (None: the analytic rule). ``mha_workspace_bytes``: MHA only while the up-projected K/V fit."""
+    """``prefill_mha_min_query``: dense prefill uses MHA from this many query rows (None: the
+    analytic rule). ``mha_workspace_bytes``: MHA only while the up-projected K/V fit."""
 
     kv_lora_rank: int
     qk_nope_head_dim: int
     v_head_dim: int
-    decode_sparse_max_len: int = 0
     prefill_mha_min_query: int | None = None
     mha_workspace_bytes: int = 256 << 20
     source: str = "analytic"
@@ -40,12 +39,11 @@ class Dispatch:
         if self.prefill_mha_min_query is not None:
             return queries >= self.prefill_mha_min_query
         r, dn, dv = self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim
-        # seed's rule: absorbed iff Q*R*(Dn+Dv)/S + Q*(2R - Dn - Dv) < R*(Dn+Dv)
+        # FLOPs per head: absorbed attention costs Q*S*(2R + Dr) for the scores and values, MHA costs the
+        # up-projection of S latent rows S*R*(Dn+Dv) plus Q*S*(Dn+Dr+Dv); absorbed wins while
+        # Q*R*(Dn+Dv)/S + Q*(2R - Dn - Dv) < R*(Dn+Dv) (Q ~ 171 for V3.2 at long S)
         absorbed = queries * r * (dn + dv) / context + queries * (2 * r - dn - dv) < r * (dn + dv)
         return not absorbed
-
-    def decode_uses_sparse_kernel(self, seq_len: int) -> bool:
-        return seq_len <= self.decode_sparse_max_len
 
 
 def load_dispatch(config: DSAConfig, device: torch.device, mha_workspace_bytes: int = 256 << 20) -> Dispatch:
@@ -62,7 +60,6 @@ def load_dispatch(config: DSAConfig, device: torch.device, mha_workspace_bytes: 
     with open(path) as f:
         data = json.load(f)
     try:
-        return Dispatch(**base, decode_sparse_max_len=int(data["decode_sparse_max_len"]),
-                        prefill_mha_min_query=data["prefill_mha_min_query"], source=os.path.basename(path))
+        return Dispatch(**base, prefill_mha_min_query=data["prefill_mha_min_query"], source=os.path.basename(path))
     except KeyError as e:
         raise ValueError(f"dispatch_thresholds: {path} lacks the key {e}") from None

@@ -1,73 +1,82 @@
 """Engine: the long-context inference API, batching requests over shared paged caches.
 
-A request reserves blocks for ``len(prompt) + max_new_tokens`` when it is admitted (no
-preemption, no deadlock); requests that do not fit yet wait in order; one that could never fit
-is refused at ``add_request``. Each step serves every decoding request one token, then fills the
-rest of ``max_batch_tokens`` with prefill chunks. Sampling is greedy.
+Three small objects (as nano-vllm splits them): the :class:`~dsa.scheduler.Scheduler` (waiting and
+running requests, their blocks, which rows each step serves), the :class:`~dsa.runner.ModelRunner`
+(the caches; plans a step and runs it, replaying a CUDA graph for decode-only steps) and the
+sampling here. Sampling is greedy.
 
 Batch invariance: every op a row goes through depends on that row alone (the top-k's tie rule
-gives the lowest positions at the k-th value, whatever the row's padding or batch), so in float32
-a request's tokens are the same alone, in any batch, in any order and at any chunk size, up to
-floating-point near-ties of the projections (batched and single-row matmuls differ by ~1e-5).
+gives the lowest positions at the k-th value, whatever the row's padding or batch; a decode row's
+kernel depends on the model, not on the batch), so in float32 a request's tokens are the same
+alone, in any batch, in any order and at any chunk size, up to floating-point near-ties of the
+projections (batched and single-row matmuls differ by ~1e-5).
 """
 import itertools
-from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
-from dsa.cache import BlockAllocator, CacheFullError
-
 from .config import bytes_per_token
 from .plan import PATHS
-
-
-@dataclass
-class _Request:
-    rid: int
-    tokens: list  # prompt, then generated tokens
-    prompt_len: int
-    max_new_tokens: int
-    blocks: list = field(default_factory=list)
-    computed: int = 0  # tokens whose latent rows are in the caches
-
-    @property
-    def generated(self) -> list:
-        return self.tokens[self.prompt_len:]
+from .runner import ModelRunner
+from .scheduler import Request, Scheduler
 
 
 class Engine:
+    """Batches requests over one pool of paged caches (``num_blocks`` blocks, or as many as
+    ``memory_bytes`` holds) and generates greedily; ``max_batch_tokens`` rows per step (long
+    prompts are prefilled in chunks). ``cuda_graphs``: replay decode-only steps from CUDA graphs
+    (None: whenever the model allows, i.e. on CUDA without MoE layers; False: always eager)."""
+
     def __init__(self, model, num_blocks: int | None = None, memory_bytes: int | None = None,
-                 max_batch_tokens: int = 8192):
+                 max_batch_tokens: int = 8192, cuda_graphs: bool | None = None):
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("num_blocks / memory_bytes: give exactly one of them")
-        if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+        if not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens: expected a positive int, got {max_batch_tokens!r}")
         self.model = model
         self.config = c = model.config
         if num_blocks is None:
             num_blocks = int(memory_bytes) // (bytes_per_token(c, model.dtype) * c.block_size)
-        if not isinstance(num_blocks, int) or num_blocks < 1:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected a positive int (from memory_bytes too), got {num_blocks!r}")
         self.num_blocks = num_blocks
-        self.max_batch_tokens = max_batch_tokens
-        self.caches = model.allocate_caches(num_blocks)
-        self.allocator = BlockAllocator(num_blocks)
-        self.waiting: deque = deque()
-        self.running: dict = {}
+        self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens)
+        self.runner = ModelRunner(model, num_blocks, cuda_graphs)
         self._ids = itertools.count()
         eos = c.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         self.stats = {"rows": {p: 0 for p in PATHS}, "prefill_chunks": 0, "peak_workspace_bytes": 0,
-                      "blocks_in_use": 0, "steps": 0, "tokens": 0}
+                      "blocks_in_use": 0, "steps": 0, "graph_steps": 0, "tokens": 0}
+
+    # ---- state the tests and tools look at ------------------------------------------------
+    @property
+    def caches(self):
+        return self.runner.caches
+
+    @property
+    def allocator(self):
+        return self.scheduler.allocator
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self):
+        return self.scheduler.running
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.scheduler.max_batch_tokens
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.config.block_size
 
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.config.block_size)
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
 
+    # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_ids, max_new_tokens: int) -> int:
         """Queue a prompt (token ids); returns its request id. Raises ValueError if it can never fit."""
         prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
@@ -75,70 +84,45 @@ class Engine:
             raise ValueError("prompt_ids: expected at least one token")
         if any(not 0 <= t < self.config.vocab_size for t in prompt):
             raise ValueError(f"prompt_ids: token ids must be in [0, {self.config.vocab_size})")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
         total = len(prompt) + max_new_tokens
         if total > self.config.max_position_embeddings:
             raise ValueError(f"prompt_ids: {len(prompt)} + max_new_tokens {max_new_tokens} = {total} tokens exceed "
                              f"max_position_embeddings {self.config.max_position_embeddings}")
-        if self._blocks_for(total) > self.num_blocks:
-            raise ValueError(f"prompt_ids: {total} tokens need {self._blocks_for(total)} blocks; the engine holds "
+        blocks = self.scheduler.blocks_for(total)
+        if blocks > self.num_blocks:
+            raise ValueError(f"prompt_ids: {total} tokens need {blocks} blocks; the engine holds "
                              f"{self.num_blocks} ({self.capacity_tokens} tokens)")
-        req = _Request(next(self._ids), prompt, len(prompt), max_new_tokens)
-        self.waiting.append(req)
+        req = Request(next(self._ids), prompt, len(prompt), max_new_tokens)
+        self.scheduler.add(req)
         return req.rid
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def _admit(self) -> None:
-        while self.waiting:
-            req = self.waiting[0]
-            try:
-                req.blocks = self.allocator.allocate(self._blocks_for(len(req.tokens) + req.max_new_tokens))
-            except CacheFullError:
-                return  # in order: later requests wait behind it
-            self.running[self.waiting.popleft().rid] = req
 
     def step(self) -> dict:
         """Run one batch; returns ``{request id: [tokens produced this step]}``."""
-        self._admit()
-        batch, budget = [], self.max_batch_tokens
-        decoding = [r for r in self.running.values() if r.computed >= r.prompt_len]
-        prefilling = [r for r in self.running.values() if r.computed < r.prompt_len]
-        for req in decoding + prefilling:
-            n = 1 if req.computed >= req.prompt_len else min(req.prompt_len - req.computed, budget)
-            if n <= 0 or budget <= 0:
-                break
-            batch.append((req, n))
-            budget -= n
+        batch = self.scheduler.schedule()
         if not batch:
             return {}
-        chunks = sum(1 for r, _ in batch if r.computed < r.prompt_len)
-        model = self.model
-        plan = model.plan([n for _, n in batch], [r.computed for r, _ in batch], [r.blocks for r, _ in batch])
-        ids = torch.tensor([t for r, n in batch for t in r.tokens[r.computed:r.computed + n]], dtype=torch.long)
-        ends = torch.tensor(list(itertools.accumulate(n for _, n in batch))) - 1  # last row of each request
-        step_stats = {}
-        logits = model.step(ids, plan, self.caches, logits_rows=ends.to(model.device), stats=step_stats)
-        nxt = logits.argmax(-1).tolist()
+        result = self.runner.run(batch)
+        tokens = result.logits.argmax(-1).tolist()  # the step's one device-to-host copy
         produced = {}
-        for (req, n), tok in zip(batch, nxt):
+        for (req, n), tok in zip(batch, tokens):
             req.computed += n
             if req.computed < len(req.tokens):
                 continue  # a prefill chunk that did not reach the end of the prompt
             req.tokens.append(tok)
             produced[req.rid] = [tok]
             if len(req.generated) >= req.max_new_tokens or tok in self.eos:
-                self.allocator.free(req.blocks)
-                del self.running[req.rid]
-        for path, rows in plan.row_counts().items():
-            self.stats["rows"][path] += rows
-        self.stats["prefill_chunks"] += chunks
-        self.stats["peak_workspace_bytes"] = max(self.stats["peak_workspace_bytes"], step_stats.get("workspace_bytes", 0))
-        self.stats["blocks_in_use"] = self.num_blocks - self.allocator.num_free
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(ids)
+                self.scheduler.finish(req)
+        s = self.stats
+        for path, rows in result.rows.items():
+            s["rows"][path] += rows
+        s["prefill_chunks"] += sum(1 for r, n in batch if r.computed - n < r.prompt_len)
+        s["peak_workspace_bytes"] = max(s["peak_workspace_bytes"], result.workspace_bytes)
+        s["blocks_in_use"] = self.num_blocks - self.allocator.num_free
+        s["steps"] += 1
+        s["graph_steps"] += result.graph
+        s["tokens"] += sum(n for _, n in batch)
         return produced
 
     def generate(self, prompts, max_new_tokens: int) -> list:

@@ -1,8 +1,17 @@
-"""DSAModel: embeddings, decoder layers (DSA attention + dense MLP or MoE), final norm, lm_head."""
+"""DSAModel: embeddings, decoder layers (DSA attention + dense MLP or MoE), final norm, lm_head.
+
+A step runs the rows of a :class:`dsa.plan.BatchPlan` through every layer with a
+:class:`StepContext` (the plan, the caches, the RoPE tables, and the selection the last indexer
+layer made, which layers that skip the indexer reuse). Caches live outside the model
+(:class:`Caches`), so several engines can share one model and ``model(input_ids)`` uses its own.
+"""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from dsa.cache import IndexerKeyCache, LatentCache
+from dsa.indexer import Selection
 from dsa.kernels import yarn_cos_sin
 
 from .attention import DSAAttention
@@ -18,6 +27,29 @@ def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if any(part in name for part in FP32_PARAMS) else dtype
 
 
+@dataclass
+class Caches:
+    """One engine's paged caches: per layer a latent cache and (layers that index) an indexer key
+    cache, all sharing one block numbering."""
+    latent: list  # LatentCache per layer
+    index: list  # IndexerKeyCache or None per layer
+    num_blocks: int
+
+    def __iter__(self):
+        return iter(zip(self.latent, self.index))
+
+
+@dataclass
+class StepContext:
+    """What every layer of one step reads: the plan, the caches, RoPE tables ``[>= S, D_R / 2]``;
+    ``selection`` is the top-k of the last layer that ran its indexer."""
+    plan: BatchPlan
+    caches: Caches
+    cos: torch.Tensor
+    sin: torch.Tensor
+    selection: Selection | None = None
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: DSAConfig, layer_id: int):
         super().__init__()
@@ -26,10 +58,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoE(config) if is_moe_layer(config, layer_id) else MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, plan, caches, cos, sin, reused, stats):
-        h, selected = self.self_attn(self.input_layernorm(x), plan, *caches, cos, sin, reused, stats)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), selected
+    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), step)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DSAModel(nn.Module):
@@ -97,49 +128,56 @@ class DSAModel(nn.Module):
     def latent_format(self) -> str:
         return latent_format(self.config, self.dtype)
 
-    def allocate_caches(self, num_blocks: int) -> list:
-        """One ``(LatentCache, IndexerKeyCache | None)`` per layer, all sharing one block numbering."""
-        c, caches = self.config, []
+    def allocate_caches(self, num_blocks: int) -> Caches:
+        """Per layer a ``LatentCache`` and (layers that index) an ``IndexerKeyCache`` of ``num_blocks``."""
+        c, latent, index = self.config, [], []
         for layer in self.layers:
-            latent = LatentCache(num_blocks, c.block_size, format=self.latent_format(), device=self.device)
-            index = None
-            if layer.self_attn.runs_indexer:
-                exact = c.indexer_precision == "exact"
-                index = IndexerKeyCache(num_blocks, c.block_size, precision=c.indexer_precision,
-                                        dtype=self.dtype if exact else None, device=self.device,
-                                        head_dim=c.index_head_dim)
-            caches.append((latent, index))
-        return caches
+            latent.append(LatentCache(num_blocks, c.block_size, format=self.latent_format(), device=self.device))
+            exact = c.indexer_precision == "exact"
+            index.append(IndexerKeyCache(num_blocks, c.block_size, precision=c.indexer_precision,
+                                         dtype=self.dtype if exact else None, device=self.device,
+                                         head_dim=c.index_head_dim) if layer.self_attn.runs_indexer else None)
+        return Caches(latent, index, num_blocks)
 
-    def rope_tables(self, positions_needed: int):
-        c = self.config
-        if self._rope is None or self._rope[0].shape[0] < positions_needed:
-            n = max(positions_needed, min(c.max_position_embeddings, 4096))
-            cos, sin = yarn_cos_sin(n, c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
+    def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin) [max_position_embeddings, D_R / 2]`` fp32, built once: a CUDA graph keeps
+        their addresses."""
+        if self._rope is None:
+            c = self.config
+            cos, sin = yarn_cos_sin(c.max_position_embeddings, c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
             self._rope = (cos.to(self.device), sin.to(self.device))
         return self._rope
 
-    def plan(self, query_lens, context_lens, block_tables) -> BatchPlan:
+    def plan_options(self) -> dict:
+        """The model's keywords for :meth:`BatchPlan.build` / ``HostPlan.pack``."""
         c = self.config
         kv_bytes = (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim + 2 * c.qk_head_dim)
                     * self.embed_tokens.weight.element_size())  # up-projected K/V per context token (MHA path)
-        return BatchPlan.build(query_lens, context_lens, block_tables, c.block_size, self.device,
-                               index_topk=c.index_topk, dispatch=self.dispatch, mha_kv_bytes_per_token=kv_bytes)
+        return dict(index_topk=c.index_topk, dispatch=self.dispatch, mha_kv_bytes_per_token=kv_bytes)
+
+    def plan(self, query_lens, context_lens, block_tables, input_ids=None) -> BatchPlan:
+        return BatchPlan.build(query_lens, context_lens, block_tables, self.config.block_size, self.device,
+                               input_ids=input_ids, **self.plan_options())
 
     # ---- running -------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, input_ids: torch.Tensor, plan: BatchPlan, caches: list, logits_rows: torch.Tensor | None = None,
-             stats: dict | None = None) -> torch.Tensor:
-        """Run the plan's rows (``input_ids [T]``) through every layer, writing the caches.
+    def step(self, plan: BatchPlan, caches: Caches, input_ids: torch.Tensor | None = None,
+             logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the plan's rows through every layer, writing the caches; no host sync.
 
-        Returns fp32 logits of ``logits_rows`` (all rows when None) ``[R, vocab]``.
+        Args:
+            plan: the step; caches: the engine's (or temporary) caches.
+            input_ids: ``[T]`` token ids (default: ``plan.input_ids``).
+            logits_rows: rows whose logits to return (default: every row).
+
+        Returns:
+            ``[R, vocab]`` fp32 logits.
         """
-        stats = {} if stats is None else stats
-        cos, sin = self.rope_tables(int(plan.seq_lens.max()))
-        x = self.embed_tokens(input_ids.to(self.device))
-        selected = None
-        for layer, cache in zip(self.layers, caches):
-            x, selected = layer(x, plan, cache, cos, sin, selected, stats)
+        cos, sin = self.rope_tables()
+        step = StepContext(plan, caches, cos, sin)
+        x = self.embed_tokens(plan.input_ids if input_ids is None else input_ids.to(self.device))
+        for layer in self.layers:
+            x = layer(x, step)
         if logits_rows is not None:
             x = x[logits_rows]
         return self.lm_head(self.norm(x)).float()
@@ -150,11 +188,13 @@ class DSAModel(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected [B, S], got {list(input_ids.shape)}")
         b, s = input_ids.shape
+        if b * s == 0:
+            return torch.zeros(b, s, self.config.vocab_size, device=self.device)
         per = -(-s // self.config.block_size)
         caches = self.allocate_caches(b * per)
         table = torch.arange(b * per, dtype=torch.int32).view(b, per)
-        plan = self.plan([s] * b, [0] * b, table)
-        return self.step(input_ids.reshape(-1), plan, caches).view(b, s, -1)
+        plan = self.plan([s] * b, [0] * b, table, input_ids=input_ids.reshape(-1))
+        return self.step(plan, caches).view(b, s, -1)
 
 
 def _default_device(device):

@@ -126,7 +126,7 @@ def measure(model, ids: torch.Tensor, ks: list, num_queries: int, seed: int, pro
     g = torch.Generator().manual_seed(seed)
     queries = torch.randperm(s, generator=g)[:num_queries].sort().values.to(model.device)
     positions = torch.arange(s, device=model.device)
-    cos, sin = model.rope_tables(s)
+    cos, sin = model.rope_tables()
     inputs = capture_layer_inputs(model, ids.to(model.device))
     layers, by_k = [], {k: {"mass": [], "best": [], "fp8_vs_exact": []} for k in ks}
     by_pos = {"position": queries.tolist(), "mass_recall": [], "best_mass_recall": []}

@@ -8,6 +8,10 @@ Math (DESIGN section 5), from the attention input ``x [T, hidden]`` and the quer
     fp8:   keys -> Hadamard -> ue8m0 FP8 in the cache; q -> Hadamard -> FP8, weights fold q_scale
     exact: keys kept unquantized, no Hadamard; weights = w * HI**-0.5 * DI**-0.5
     logit[t, s] = k_scale[s] * sum_h weights[t, h] * relu(q[t, h] . k[s])
+
+Decode rows are scored by paged logits over their block tables, prefill rows by ragged logits
+over their request's gathered keys; both go to ``topk_slots``, whose tie rule makes each row's
+selection a function of that row alone.
 """
 import torch
 import torch.nn.functional as F
@@ -15,6 +19,7 @@ from torch import nn
 
 from dsa.cache import IndexerKeyCache, gather_indexer_keys, write_indexer_keys
 from dsa.config import DSAConfig
+from .batch import IndexerBatch, Selection
 from dsa.kernels import (apply_rope, indexer_logits_paged, indexer_logits_ragged, indexer_query_prep, topk_slots)
 from dsa.kernels.indexer_query_prep import weight_scale
 
@@ -22,6 +27,9 @@ RAGGED_CHUNK_ELEMS = 1 << 26  # rows x keys per ragged logits call (256 MiB of f
 
 
 class LightningIndexer(nn.Module):
+    """One layer's indexer: ``project`` (queries, keys, head weights after RoPE) and ``forward``
+    (write the step's keys, score the cached positions, select the top-k as cache slots)."""
+
     def __init__(self, config: DSAConfig):
         super().__init__()
         self.config = config
@@ -44,37 +52,34 @@ class LightningIndexer(nn.Module):
         w = F.linear(x.float(), self.weights_proj.weight.float())  # [T, HI] fp32, whatever the model dtype
         return q, k, w
 
-    def forward(self, x, qr, plan, cache: IndexerKeyCache, cos, sin, k: int) -> dict:
-        """Write this step's keys; return ``{path: slots [rows, k] int32}`` for the plan's sparse rows."""
-        c = self.config
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: IndexerBatch, cache: IndexerKeyCache, cos,
+                sin) -> Selection:
+        """Write this step's keys; return the top-k slots of the batch's sparse rows (decode rows
+        whose context fits in ``index_topk`` get every position: top-k's answer for them)."""
+        c, k = self.config, self.config.index_topk
         exact = c.indexer_precision == "exact"
-        q, key, w = self.project(x, qr, plan.positions, cos, sin)
-        write_indexer_keys(cache, key, plan.slot_mapping, hadamard=c.indexer_hadamard and not exact)
+        q, key, w = self.project(x, qr, batch.positions, cos, sin)
+        write_indexer_keys(cache, key, batch.slot_mapping, hadamard=c.indexer_hadamard and not exact)
+        d = batch.decode
+        if (d is None or d.every_position is not None) and not batch.prefill:
+            return Selection(None if d is None else d.every_position, None)
         if exact:
             weights = w * weight_scale(c.index_n_heads, c.index_head_dim)
         else:
             q, weights = indexer_query_prep(q, w, c.indexer_hadamard)
-        out = {}
-        rows = plan.rows_of("sparse_decode")
-        if len(rows):
-            reqs = torch.tensor([s.req for s in plan.segments["sparse_decode"]], device=rows.device)
-            table, lens = plan.block_table[reqs], plan.seq_lens[reqs]
-            logits = indexer_logits_paged(q[rows].unsqueeze(1), weights[rows].unsqueeze(1), cache.data, table, lens,
-                                          cache.block_size)
-            out["sparse_decode"] = topk_slots(logits, lens, k, table,
-                                              torch.arange(len(rows), dtype=torch.int32, device=rows.device),
-                                              lens, cache.block_size)
+        decode = None if d is None else d.every_position
+        if d is not None and decode is None:
+            logits = indexer_logits_paged(q[d.rows].unsqueeze(1), weights[d.rows].unsqueeze(1), cache.data,
+                                          d.block_table, d.seq_lens, cache.block_size, max_seq_len=d.max_seq_len)
+            decode = topk_slots(logits, d.seq_lens, k, d.block_table, d.row_ids, d.seq_lens, cache.block_size)
         prefill = []
-        for seg in plan.segments["sparse_prefill"]:
-            table, lens = plan.block_table[seg.req:seg.req + 1], plan.seq_lens[seg.req:seg.req + 1]
-            keys, k_scale = gather_indexer_keys(cache, table, lens)  # [S, DI], positions 0 .. S-1
+        for seg in batch.prefill:
+            keys, k_scale = gather_indexer_keys(cache, seg.block_table, seg.seq_len)  # [S, DI], positions 0 .. S-1
             step = max(1, RAGGED_CHUNK_ELEMS // max(1, keys.shape[0]))
-            for r0 in range(seg.row0, seg.row1, step):
-                r1 = min(seg.row1, r0 + step)
-                valid = plan.valid_lens[r0:r1]
-                zeros = torch.zeros_like(valid)
-                logits = indexer_logits_ragged(q[r0:r1], weights[r0:r1], keys, k_scale, zeros, valid)
-                prefill.append(topk_slots(logits, valid, k, table, zeros, lens, cache.block_size))
-        if prefill:
-            out["sparse_prefill"] = torch.cat(prefill)
-        return out
+            for r0 in range(seg.rows.start, seg.rows.stop, step):
+                r1 = min(seg.rows.stop, r0 + step)
+                valid, starts = seg.valid_lens[r0 - seg.rows.start:r1 - seg.rows.start], \
+                    seg.starts[r0 - seg.rows.start:r1 - seg.rows.start]
+                logits = indexer_logits_ragged(q[r0:r1], weights[r0:r1], keys, k_scale, starts, valid)
+                prefill.append(topk_slots(logits, valid, k, seg.block_table, starts, seg.seq_len, cache.block_size))
+        return Selection(decode, torch.cat(prefill) if prefill else None)

@@ -80,4 +80,4 @@ def test_layer_and_crossover_benchmarks_run(op, tmp_path):
     assert any(f.startswith(op) for f in files)
     if op == "crossover":
         thresholds = json.loads(next(tmp_path.glob("dispatch_*.json")).read_text())
-        assert {"decode_sparse_max_len", "prefill_mha_min_query"} <= set(thresholds)
+        assert "prefill_mha_min_query" in thresholds

@@ -24,7 +24,7 @@ def test_paths_and_chunks(model):
     assert rows["sparse_prefill"] == 40 - 16  # positions 16.. have ranges longer than index_topk
     assert rows["dense_prefill_mha"] + rows["dense_prefill_absorbed"] == 16 + 5
     assert rows["sparse_decode"] == 3  # prompt 1's decode rows
-    assert rows["dense_decode"] == 3  # prompt 2's decode rows (S <= 16)
+    assert rows["dense_decode"] == 3  # prompt 2's decode rows (S <= 16: every position, through top-k)
     assert engine.stats["blocks_in_use"] == 0 and engine.allocator.num_free == 32
 
 
@@ -123,14 +123,19 @@ def test_engine_arguments():
     assert e.capacity_tokens == e.num_blocks * 16 > 0
 
 
-def test_dense_decode_through_the_sparse_kernel_is_the_same_function(model):
-    p = prompt(12, 14)
-    dense = Engine(model, num_blocks=4).generate([p], 3)[0]
-    saved = model.dispatch
-    model.dispatch = dataclasses.replace(saved, decode_sparse_max_len=16)
-    try:
-        engine = Engine(model, num_blocks=4)
-        via_sparse = engine.generate([p], 3)[0]
-    finally:
-        model.dispatch = saved
-    assert via_sparse == dense and engine.stats["rows"]["dense_decode"] == 2
+def test_short_decode_rows_take_the_sparse_kernel_with_every_position(model):
+    """A decode row whose context fits in index_topk is served by top-k + the sparse kernel (its top-k
+    is every position): the same function as the dense absorbed decode."""
+    from dsa.kernels import dense_mla_decode, sparse_mla
+    engine = Engine(model, num_blocks=4)
+    rid = engine.add_request(prompt(12, 14), 3)
+    engine.step()  # prefill
+    req = engine.running[rid]
+    plan = model.plan([1], [req.computed], [req.blocks], input_ids=[req.tokens[-1]])
+    assert plan.decode_only and plan.rows["dense_decode"] == 1 and plan.decode.every_position is not None
+    latent = engine.caches.latent[0].data
+    q = torch.randn(1, model.config.num_attention_heads, 576, generator=torch.Generator().manual_seed(0))
+    sparse, _ = sparse_mla(q, latent, plan.decode.every_position, 0.1)
+    dense, _ = dense_mla_decode(q[:, None], latent, plan.decode.block_table, plan.decode.seq_lens, 0.1)
+    assert torch.allclose(sparse, dense[:, 0], atol=1e-5, rtol=1e-5)
+    assert engine.generate([prompt(12, 14)], 3)[0] == Engine(model, num_blocks=4).generate([prompt(12, 14)], 3)[0]

@@ -2,7 +2,8 @@
 
 Tiny random HF models saved with ``save_pretrained`` load into DSAModel and give the same logits:
 float32 + exact indexer on sequences longer than ``index_topk`` (the sparse regime), and bf16 on
-sequences within it (dense; any indexer precision).
+sequences within it (dense; any indexer precision). transformers runs with our top-k tie rule
+(ties at the k-th value go to the lowest positions), which its own ``torch.topk`` leaves open.
 """
 import pytest
 import torch
@@ -36,9 +37,18 @@ def _save(kind: str, path, **overrides) -> None:
     model.save_pretrained(path)
 
 
-def _hf_logits(path, ids, dtype):
+def _lowest_first_topk(self, k, dim=-1, largest=True, sorted=True):
+    """``Tensor.topk`` whose ties go to the lowest indices: our top-k rule. transformers' indexer
+    calls ``topk`` on rows where the k-th value is often tied (ReLU zeros), and which tied positions
+    ``torch.topk`` keeps depends on the row's width; with this rule both sides compute one function."""
+    order = torch.sort(self, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)))
+
+
+def _hf_logits(path, ids, dtype, monkeypatch):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
-    with torch.no_grad():
+    with torch.no_grad(), monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "topk", _lowest_first_topk)
         return hf(ids).logits.float()
 
 
@@ -47,10 +57,10 @@ def _cos(a, b):
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
-def test_float32_exact_beyond_index_topk(kind, tmp_path):
+def test_float32_exact_beyond_index_topk(kind, tmp_path, monkeypatch):
     _save(kind, tmp_path)
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
-    ref = _hf_logits(tmp_path, ids, torch.float32)
+    ref = _hf_logits(tmp_path, ids, torch.float32, monkeypatch)
     model = DSAModel.from_pretrained(tmp_path, dtype=torch.float32, device="cpu", indexer_precision="exact")
     got = model(ids)
     assert model.config.model_type == kind
@@ -60,10 +70,10 @@ def test_float32_exact_beyond_index_topk(kind, tmp_path):
 
 @pytest.mark.parametrize("precision", ["fp8", "exact"])
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
-def test_bf16_within_index_topk(kind, precision, tmp_path):
+def test_bf16_within_index_topk(kind, precision, tmp_path, monkeypatch):
     # every expert active: bf16 rounding then cannot flip a routing choice (the fp32 test covers routing)
     _save(kind, tmp_path, num_experts_per_tok=4)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
-    ref = _hf_logits(tmp_path, ids, torch.bfloat16)
+    ref = _hf_logits(tmp_path, ids, torch.bfloat16, monkeypatch)
     model = DSAModel.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cpu", indexer_precision=precision)
     assert _cos(model(ids), ref).min() >= 0.995

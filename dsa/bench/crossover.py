@@ -1,15 +1,12 @@
 """``dsa bench crossover``: where the faster of two implementations of the same function changes.
 
-- Decode rows whose context fits in ``index_topk``: ``dense_mla_decode`` vs ``sparse_mla`` handed
-  every position, by context length S (B=64, V3.2 heads). ``decode_sparse_max_len`` is the largest
-  measured S at and below which the sparse kernel was faster at every measured S (0: never).
-- Dense prefill rows: up-projected MHA (gather, ``kv_b_proj``, SDPA with a bottom-right causal
-  mask) vs the absorbed kernel (``dense_mla_decode`` with N = the chunk), by query length Q and
-  prefix length. ``prefill_mha_min_query`` is the smallest Q from which MHA was faster for every
-  measured prefix (the seed's analytic rule says Q ~ 171 for long contexts).
+Dense prefill rows: up-projected MHA (gather, ``kv_b_proj``, SDPA with a bottom-right causal mask)
+vs the absorbed kernel (``dense_mla_decode`` with N = the chunk), by query length Q and prefix
+length. ``prefill_mha_min_query`` is the smallest Q from which MHA was faster for every measured
+prefix (the analytic FLOP rule in ``dsa/dispatch.py`` says Q ~ 171 for long contexts).
 
-Writes ``crossover-<gpu>-<date>.json`` (every measurement) and ``dispatch_<gpu>.json`` (the two
-thresholds, the file ``dispatch_thresholds`` names; the H200 one ships as ``dsa/data/dispatch_h200.json``).
+Writes ``crossover-<gpu>-<date>.json`` (every measurement) and ``dispatch_<gpu>.json`` (the
+threshold, the file ``dispatch_thresholds`` names; the H200 one ships as ``dsa/data/dispatch_h200.json``).
 """
 import json
 import os
@@ -17,7 +14,8 @@ import os
 import torch
 
 from dsa.cache import LatentCache
-from dsa.kernels import dense_mla_decode, positions_to_slots, sparse_mla
+from dsa.dispatch import Dispatch
+from dsa.kernels import dense_mla_decode
 from dsa.plan import BatchPlan
 from dsa.testing import random_block_tables
 
@@ -33,36 +31,6 @@ def run(device, timer, ceilings, args) -> list:
     h = c.num_attention_heads
     g = torch.Generator().manual_seed(0)
     rows = []
-    # decode: dense kernel vs sparse kernel with every position, S <= index_topk
-    b = 64
-    decode_s = [128, 512, 2048] if args.quick else [64, 128, 256, 512, 1024, 2048]
-    sparse_wins = []
-    for s in decode_s:
-        table, nb = random_block_tables([s] * b, P, generator=g)
-        table = table.to(device)
-        latent = (torch.randn(nb, P, 576, device=device) * 0.5).to(torch.bfloat16)
-        q = (torch.randn(b, h, 576, device=device) * 0.1).to(torch.bfloat16)
-        lens = torch.full((b,), s, dtype=torch.int32, device=device)
-        req = torch.arange(b, dtype=torch.int32, device=device)
-        positions = torch.arange(s, dtype=torch.int32, device=device).expand(b, s).contiguous()
-        width = -(-s // 16) * 16  # the Triton kernel takes K in multiples of 16; -1 pads
-        slots = torch.full((b, width), -1, dtype=torch.int32, device=device)
-        slots[:, :s] = positions_to_slots(positions, table, req, lens, P)
-        dense = lambda: dense_mla_decode(q.unsqueeze(1), latent, table, lens, attn.softmax_scale)  # noqa: E731
-        sparse = lambda: sparse_mla(q, latent, slots, attn.softmax_scale)  # noqa: E731
-        ref = dense()[0][:, 0].float()
-        err = float((sparse()[0].float() - ref).abs().max() / ref.abs().max())
-        assert err < 2e-2, f"sparse with every position vs dense at S={s}: relative error {err:.3g}"
-        t_dense, t_sparse = timer(dense), timer(sparse)
-        shape = dict(B=b, S=s, H=h)
-        rows.append(result_row("decode_dense_kernel", "triton", shape, t_dense, ceilings))
-        rows.append(result_row("decode_sparse_every_position", "triton", shape, t_sparse, ceilings))
-        sparse_wins.append((s, t_sparse["median_us"] < t_dense["median_us"]))
-    decode_max = 0
-    for s, wins in sparse_wins:
-        if not wins:
-            break
-        decode_max = s
     # dense prefill: MHA vs absorbed, by query length and prefix length
     queries = [64, 256, 1024] if args.quick else [16, 32, 64, 128, 256, 512, 1024]
     prefixes = [0, 8192] if args.quick else [0, 2048, 8192]
@@ -71,19 +39,21 @@ def run(device, timer, ceilings, args) -> list:
         for qn in queries:
             s = prefix + qn
             table, nb = random_block_tables([s], P, generator=g)
-            plan = BatchPlan.build([qn], [prefix], table, P, device)  # no dispatch: one absorbed segment
-            seg = plan.segments["dense_prefill_absorbed"][0]
+            plan = BatchPlan.build([qn], [prefix], table, P, device, index_topk=None,  # one MHA segment
+                                   dispatch=Dispatch(c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim,
+                                                     prefill_mha_min_query=1))
+            seg = plan.mha[0]
             cache = LatentCache(nb, P, device=device)
             cache.data.copy_(torch.randn(nb, P, 576, device=device) * 0.5)
             q_nope = (torch.randn(qn, h, c.qk_nope_head_dim, device=device) * 0.1).to(torch.bfloat16)
             q_pe = (torch.randn(qn, h, c.qk_rope_head_dim, device=device) * 0.1).to(torch.bfloat16)
 
             def mha():
-                return attn._mha(q_nope, q_pe, seg, plan, cache, {})
+                return attn._mha(q_nope, q_pe, seg, cache)
 
             def absorbed():
                 o, _ = dense_mla_decode(attn.absorbed_query(q_nope, q_pe).unsqueeze(0), cache.data,
-                                        plan.block_table, plan.seq_lens, attn.softmax_scale)
+                                        seg.block_table, seg.seq_len_t, attn.softmax_scale)
                 return attn._up_v(o[0])
 
             ref = mha().float()
@@ -98,14 +68,14 @@ def run(device, timer, ceilings, args) -> list:
             del cache
     never = max(queries) * 2  # MHA never won at this prefix: a threshold past every measured Q
     prefill_min = max(mha_from.get(p, never) for p in prefixes)
-    thresholds = {"decode_sparse_max_len": decode_max, "prefill_mha_min_query": prefill_min,
+    thresholds = {"prefill_mha_min_query": prefill_min,
                   "mha_from_query_by_prefix": {str(p): mha_from.get(p) for p in prefixes},
-                  "measured": {"decode_S": decode_s, "prefill_Q": queries, "prefill_prefix": prefixes, "B": b, "H": h}}
+                  "measured": {"prefill_Q": queries, "prefill_prefix": prefixes, "H": h}}
     gpu = torch.cuda.get_device_name(device)
     path = os.path.join(args.out, f"dispatch_{gpu_slug(gpu)}.json")
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
         json.dump({"gpu": gpu, **thresholds}, f, indent=1)
         f.write("\n")
-    print(f"thresholds: {thresholds['decode_sparse_max_len']=} {thresholds['prefill_mha_min_query']=} -> {path}")
+    print(f"thresholds: {thresholds['prefill_mha_min_query']=} -> {path}")
     return rows
