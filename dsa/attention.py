@@ -20,7 +20,7 @@ from torch import nn
 
 from dsa.cache import IndexerKeyCache, LatentCache, write_latent
 from dsa.indexer import LightningIndexer
-from dsa.kernels import apply_rope, dense_mla_decode, sparse_mla
+from dsa.kernels import dense_mla_decode, rope_rotate, sparse_mla
 from dsa.kernels.sparse_mla import gather_latent_rows
 
 from .absorb import absorb_kv_b
@@ -65,10 +65,10 @@ class DSAAttention(nn.Module):
         c, plan = self.config, step.plan
         t, h = x.shape[0], c.num_attention_heads
         latent, index_cache = step.caches.latent[self.layer_id], step.caches.index[self.layer_id]
-        qr, q_nope, q_pe, kv_c, k_pe = self.project(x, plan.positions, step.cos, step.sin)
+        qr, q_nope, q_pe, kv_c, k_pe = self.project(x, step.rope)
         write_latent(latent, kv_c, k_pe, plan.slot_mapping)
         if self.indexer is not None:
-            step.selection = self.indexer(x, qr, plan.indexer, index_cache, step.cos, step.sin)
+            step.selection = self.indexer(x, qr, plan.indexer, index_cache, step.rope)
 
         d, sparse_rows = plan.decode, plan.sparse_prefill_rows
         absorbed = d is not None or sparse_rows is not None or plan.absorbed
@@ -98,9 +98,10 @@ class DSAAttention(nn.Module):
             return sparse_mla(q_abs, latent.data, selection.decode, self.softmax_scale)[0]
         return dense_mla_decode(q_abs.unsqueeze(1), latent.data, d.block_table, d.seq_lens, self.softmax_scale)[0][:, 0]
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor, cos, sin):
+    def project(self, x: torch.Tensor, rot: torch.Tensor):
         """``(qr [T, q_lora], q_nope [T, H, D_NOPE], q_pe [T, H, D_R], kv_c [T, 512], k_pe [T, 64])``,
-        RoPE (interleaved) applied to ``q_pe`` and ``k_pe``."""
+        RoPE (interleaved) applied to ``q_pe`` and ``k_pe``; ``rot [T, D_R / 2]`` from
+        :func:`dsa.kernels.rope_at` (the step's per-token rotations)."""
         c = self.config
         t = x.shape[0]
         qr = self.q_a_layernorm(self.q_a_proj(x)) if c.q_lora_rank else x
@@ -108,8 +109,8 @@ class DSAAttention(nn.Module):
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_proj_with_mqa(x)
         kv_c = self.kv_a_layernorm(kv[:, :c.kv_lora_rank])
-        q_pe = apply_rope(q_pe, positions, cos, sin, True)
-        k_pe = apply_rope(kv[:, c.kv_lora_rank:], positions, cos, sin, True)
+        q_pe = rope_rotate(q_pe, rot, True)
+        k_pe = rope_rotate(kv[:, c.kv_lora_rank:], rot, True)
         return qr, q_nope, q_pe, kv_c, k_pe
 
     def absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch import nn
 
 from dsa.cache import IndexerKeyCache, LatentCache
 from dsa.indexer import Selection
-from dsa.kernels import yarn_cos_sin
+from dsa.kernels import rope_at, yarn_cos_sin
 
 from .attention import DSAAttention
 from .config import DSAConfig, latent_format
@@ -41,12 +41,12 @@ class Caches:
 
 @dataclass
 class StepContext:
-    """What every layer of one step reads: the plan, the caches, RoPE tables ``[>= S, D_R / 2]``;
-    ``selection`` is the top-k of the last layer that ran its indexer."""
+    """What every layer of one step reads: the plan, the caches, the rows' RoPE rotations
+    ``[T, D_R / 2]`` complex (computed once per step); ``selection`` is the top-k of the last layer
+    that ran its indexer."""
     plan: BatchPlan
     caches: Caches
-    cos: torch.Tensor
-    sin: torch.Tensor
+    rope: torch.Tensor
     selection: Selection | None = None
 
 
@@ -148,6 +148,10 @@ class DSAModel(nn.Module):
             self._rope = (cos.to(self.device), sin.to(self.device))
         return self._rope
 
+    def rope_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Per-token RoPE rotations ``[T, D_R / 2]`` complex for ``positions [T]``."""
+        return rope_at(positions, *self.rope_tables())
+
     def plan_options(self) -> dict:
         """The model's keywords for :meth:`BatchPlan.build` / ``HostPlan.pack``."""
         c = self.config
@@ -173,8 +177,7 @@ class DSAModel(nn.Module):
         Returns:
             ``[R, vocab]`` fp32 logits.
         """
-        cos, sin = self.rope_tables()
-        step = StepContext(plan, caches, cos, sin)
+        step = StepContext(plan, caches, self.rope_at(plan.positions))
         x = self.embed_tokens(plan.input_ids if input_ids is None else input_ids.to(self.device))
         for layer in self.layers:
             x = layer(x, step)

@@ -61,12 +61,15 @@ class Scheduler:
     def schedule(self) -> list:
         """Admit what fits, then pick this step's ``[(request, new rows)]``: decode rows first."""
         self._admit()
-        batch, budget = [], self.max_batch_tokens
-        reqs = self.running.values()
-        for req in [r for r in reqs if not r.prefilling] + [r for r in reqs if r.prefilling]:
-            n = min(req.prompt_len - req.computed, budget) if req.prefilling else 1
-            if n <= 0 or budget <= 0:
+        decode, prefill = [], []
+        for req in self.running.values():
+            (prefill if req.computed < req.prompt_len else decode).append(req)
+        batch = [(req, 1) for req in decode[:self.max_batch_tokens]]
+        budget = self.max_batch_tokens - len(batch)
+        for req in prefill:
+            if budget <= 0:
                 break
+            n = min(req.prompt_len - req.computed, budget)
             batch.append((req, n))
             budget -= n
         return batch

@@ -65,20 +65,36 @@ def yarn_cos_sin(max_positions: int, rope_dim: int, rope_theta: float, rope_scal
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
-def apply_rope_reference(x, positions, cos, sin, interleaved):
+def rope_at(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Per-token rotations ``cos + i sin`` at ``positions [T]``: ``[T, D_R / 2]`` complex64 (complex128
+    for float64 tables). The same for every layer of a step: a model computes it once per step."""
+    pos = positions.long()
+    return torch.complex(cos[pos], sin[pos])
+
+
+def rope_rotate(x: torch.Tensor, rot: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate the last dim of ``x [T, ..., D_R]`` by ``rot [T, D_R / 2]`` (from :func:`rope_at`).
+
+    Pair ``i`` is ``(x[2i], x[2i+1])`` (interleaved) or ``(x[i], x[i + D_R/2])`` (NeoX); read as
+    the complex number ``a + i b`` it becomes ``(a + i b) * rot[i]``, i.e.
+    ``(a cos - b sin, b cos + a sin)``. Computed in float32 (float64 for float64 ``x``), returned
+    in ``x``'s dtype.
+    """
     dt = compute_dtype(x)
-    c = cos[positions.long()].to(dt)  # [T, D_R/2]
-    s = sin[positions.long()].to(dt)
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1] // 2,)
-    c, s = c.view(shape), s.view(shape)
+    rot = rot.to(torch.complex128 if dt == torch.float64 else torch.complex64)
+    rot = rot.view((x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1] // 2,))
     xf = x.to(dt)
     if interleaved:
-        a, b = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+        out = torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (-1, 2)).contiguous()) * rot).flatten(-2)
     else:
         a, b = xf.chunk(2, dim=-1)
-        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+        z = torch.complex(a, b) * rot
+        out = torch.cat((z.real, z.imag), dim=-1)
     return out.to(x.dtype)
+
+
+def apply_rope_reference(x, positions, cos, sin, interleaved):
+    return rope_rotate(x, rope_at(positions, cos, sin), interleaved)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -10,8 +10,8 @@ timed eagerly (``triton``: host launch costs included) and replayed from a CUDA 
 import torch
 
 from dsa.config import DSAConfig
-from dsa.kernels import (dense_mla_decode, indexer_logits_paged, indexer_query_prep, sparse_mla, topk_slots,
-                         yarn_cos_sin)
+from dsa.kernels import (dense_mla_decode, indexer_logits_paged, indexer_query_prep, rope_at, sparse_mla,
+                         topk_slots, yarn_cos_sin)
 from dsa.model import DSAModel
 from dsa.testing import random_block_tables
 
@@ -47,9 +47,10 @@ def run(device, timer, ceilings, args) -> list:
         x = torch.randn(b, c.hidden_size, device=device, dtype=torch.bfloat16)
         pos = lens.long() - 1
         cos, sin = (t.to(device) for t in yarn_cos_sin(s, c.qk_rope_head_dim, c.rope_theta, c.rope_scaling))
-        qr, q_nope, q_pe, kv_c, k_pe = attn.project(x, pos, cos, sin)
+        rot = rope_at(pos, cos, sin)
+        qr, q_nope, q_pe, kv_c, k_pe = attn.project(x, rot)
         q_abs = attn.absorbed_query(q_nope, q_pe)
-        iq, _, iw = attn.indexer.project(x, qr, pos, cos, sin)
+        iq, _, iw = attn.indexer.project(x, qr, rot)
 
         def select(backend="auto"):
             q8, w = indexer_query_prep(iq, iw, True, backend=backend)
@@ -65,9 +66,9 @@ def run(device, timer, ceilings, args) -> list:
             return dense_mla_decode(q_abs.unsqueeze(1), latent, table, lens, attn.softmax_scale, backend=backend)
 
         def projections():
-            qr_, qn, qp, _, _ = attn.project(x, pos, cos, sin)
+            qr_, qn, qp, _, _ = attn.project(x, rot)
             attn.absorbed_query(qn, qp)
-            attn.indexer.project(x, qr_, pos, cos, sin)
+            attn.indexer.project(x, qr_, rot)
             return attn.o_proj(attn._up_v(q_abs[..., :512]).flatten(1))
 
         # correctness before timing, against the torch references: the selection as a set (FP8 logits
