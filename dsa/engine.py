@@ -25,10 +25,12 @@ class Engine:
     """Batches requests over one pool of paged caches (``num_blocks`` blocks, or as many as
     ``memory_bytes`` holds) and generates greedily; ``max_batch_tokens`` rows per step (long
     prompts are prefilled in chunks). ``cuda_graphs``: replay decode-only steps from CUDA graphs
-    (None: whenever the model allows, i.e. on CUDA without MoE layers; False: always eager)."""
+    (None: whenever the model allows, i.e. on CUDA without MoE layers; False: always eager).
+    ``prefix_caching``: reuse the cached blocks of a prompt's prefix (both caches of every layer)
+    and keep finished requests' blocks cached until the pool needs them."""
 
     def __init__(self, model, num_blocks: int | None = None, memory_bytes: int | None = None,
-                 max_batch_tokens: int = 8192, cuda_graphs: bool | None = None):
+                 max_batch_tokens: int = 8192, cuda_graphs: bool | None = None, prefix_caching: bool = True):
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("num_blocks / memory_bytes: give exactly one of them")
         if not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool) or max_batch_tokens < 1:
@@ -40,13 +42,16 @@ class Engine:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected a positive int (from memory_bytes too), got {num_blocks!r}")
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens)
+        namespace = repr((c, str(model.dtype)))  # what changes a block's content besides its tokens
+        self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens, prefix_caching=prefix_caching,
+                                   namespace=namespace)
         self.runner = ModelRunner(model, num_blocks, cuda_graphs)
         self._ids = itertools.count()
         eos = c.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         self.stats = {"rows": {p: 0 for p in PATHS}, "prefill_chunks": 0, "peak_workspace_bytes": 0,
-                      "blocks_in_use": 0, "steps": 0, "graph_steps": 0, "tokens": 0}
+                      "blocks_in_use": 0, "steps": 0, "graph_steps": 0, "tokens": 0,
+                      "prefix": dict(self.scheduler.blocks.stats, cached_blocks=0)}
 
     # ---- state the tests and tools look at ------------------------------------------------
     @property
@@ -55,7 +60,8 @@ class Engine:
 
     @property
     def allocator(self):
-        return self.scheduler.allocator
+        """The block pool (``num_free``: blocks a new request can get, cached ones included)."""
+        return self.scheduler.blocks
 
     @property
     def waiting(self):
@@ -107,7 +113,7 @@ class Engine:
         tokens = result.logits.argmax(-1).tolist()  # the step's one device-to-host copy
         produced = {}
         for (req, n), tok in zip(batch, tokens):
-            req.computed += n
+            self.scheduler.advance(req, n)
             if req.computed < len(req.tokens):
                 continue  # a prefill chunk that did not reach the end of the prompt
             req.tokens.append(tok)
@@ -120,6 +126,7 @@ class Engine:
         s["prefill_chunks"] += sum(1 for r, n in batch if r.computed - n < r.prompt_len)
         s["peak_workspace_bytes"] = max(s["peak_workspace_bytes"], result.workspace_bytes)
         s["blocks_in_use"] = self.num_blocks - self.allocator.num_free
+        s["prefix"] = dict(self.scheduler.blocks.stats, cached_blocks=self.scheduler.blocks.num_cached)
         s["steps"] += 1
         s["graph_steps"] += result.graph
         s["tokens"] += sum(n for _, n in batch)

@@ -1,15 +1,18 @@
 """Scheduler: the waiting and running requests, their blocks, and the rows each step serves.
 
 A request reserves blocks for ``len(prompt) + max_new_tokens`` when it is admitted (no preemption,
-no deadlock); requests that do not fit yet wait in order. Each step serves every decoding request
-one token, then fills the rest of ``max_batch_tokens`` with prefill chunks, oldest first.
+no deadlock), reusing the cached blocks of its prompt's prefix (:class:`dsa.blocks.BlockManager`);
+requests that do not fit yet wait in order. Each step serves every decoding request one token, then
+fills the rest of ``max_batch_tokens`` with prefill chunks, oldest first.
 """
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from dsa.cache import BlockAllocator, CacheFullError
+from dsa.cache import CacheFullError
+
+from .blocks import BlockManager
 
 
 @dataclass(eq=False)
@@ -20,7 +23,8 @@ class Request:
     max_new_tokens: int
     blocks: list = field(default_factory=list)
     block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # blocks, for the step plan
-    computed: int = 0  # tokens whose latent rows are in the caches
+    block_names: list = field(default_factory=list)  # prefix-cache names of its full blocks, in order
+    computed: int = 0  # tokens whose latent rows and indexer keys are in the caches
 
     @property
     def generated(self) -> list:
@@ -32,10 +36,11 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, num_blocks: int, block_size: int, max_batch_tokens: int):
+    def __init__(self, num_blocks: int, block_size: int, max_batch_tokens: int, *, prefix_caching: bool = True,
+                 namespace: str = ""):
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
-        self.allocator = BlockAllocator(num_blocks)
+        self.blocks = BlockManager(num_blocks, block_size, namespace, prefix_caching)
         self.waiting: deque = deque()
         self.running: dict = {}  # rid -> Request, in admission order
 
@@ -52,7 +57,7 @@ class Scheduler:
         while self.waiting:
             req = self.waiting[0]
             try:
-                req.blocks = self.allocator.allocate(self.blocks_for(len(req.tokens) + req.max_new_tokens))
+                self.blocks.allocate(req, len(req.tokens) + req.max_new_tokens)
             except CacheFullError:
                 return  # in order: later requests wait behind it
             req.block_array = np.asarray(req.blocks, dtype=np.int32)
@@ -74,8 +79,13 @@ class Scheduler:
             budget -= n
         return batch
 
+    def advance(self, req: Request, rows: int) -> None:
+        """``rows`` more tokens of ``req`` are in the caches (its full blocks get prefix-cache names)."""
+        req.computed += rows
+        self.blocks.name_full_blocks(req)
+
     def finish(self, req: Request) -> None:
-        """Free a running request's blocks and forget it."""
-        self.allocator.free(req.blocks)
-        req.blocks, req.block_array = [], np.zeros(0, np.int32)
+        """Release a running request's blocks (cached ones stay cached) and forget it."""
+        self.blocks.free(req)
+        req.block_array = np.zeros(0, np.int32)
         del self.running[req.rid]

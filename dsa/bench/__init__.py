@@ -10,6 +10,7 @@ TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> row
     "layer": "dsa.bench.layer",
     "crossover": "dsa.bench.crossover",
     "engine": "dsa.bench.engine",
+    "prefix": "dsa.bench.prefix",
 }
 
 

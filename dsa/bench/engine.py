@@ -52,14 +52,17 @@ def decoding_engine(model, b: int, s: int, g: torch.Generator) -> Engine:
     """An engine whose B requests sit at context S with their first token sampled."""
     p = model.config.block_size
     steps = WARMUP + STEPS + 2
-    engine = Engine(model, num_blocks=b * -(-(s + steps) // p), cuda_graphs=True)
+    engine = Engine(model, num_blocks=b * -(-(s + steps) // p), cuda_graphs=True, prefix_caching=False)
     fill_caches(engine, g)
     sched = engine.scheduler
+    reqs = []
     for i in range(b):
         tokens = torch.randint(0, model.config.vocab_size, (s + 1,), generator=torch.Generator().manual_seed(i))
-        req = Request(i, tokens.tolist(), s, steps, computed=s)
-        sched.add(req)
-    sched.schedule()  # admits every request (their blocks), schedules nothing new: all decode
+        reqs.append(Request(i, tokens.tolist(), s, steps))
+        sched.add(reqs[-1])
+    sched.schedule()  # admits every request: their blocks
+    for req in reqs:
+        req.computed = s  # as if prefilled: the random cache rows stand for the prompt
     return engine
 
 

@@ -36,6 +36,9 @@ def target(row: dict) -> tuple[str, bool | None]:
     if row.get("target_host_share") is not None:
         parts.append((f"host share <= {100 * row['target_host_share']:g}% (got {100 * row['host_share']:.1f}%)",
                       row["host_share"] <= row["target_host_share"]))
+    if row.get("target_ratio_to_first") is not None:
+        parts.append((f"<= {100 * row['target_ratio_to_first']:g}% of the first (got {100 * row['ratio_to_first']:.2f}%)",
+                      row["ratio_to_first"] <= row["target_ratio_to_first"]))
     if not parts:
         return "", None
     return "; ".join(t for t, _ in parts), all(m for _, m in parts)
