@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_block_size, check_same_device, check_tensor, compute_dtype, resolve_backend
+from .common import check_block_size, check_int, check_same_device, check_tensor, compute_dtype, resolve_backend
 from .layouts import INDEXER_SCALE_BYTES, indexer_cache_views
 
 
@@ -210,8 +210,8 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
         check_tensor("q8", q8, dtype=torch.float8_e4m3fn)
     check_tensor("block_table", block_table, dtype=torch.int32, shape=(b, None))
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(b,))
-    if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 0):
-        raise ValueError(f"max_seq_len: expected None or a non-negative int, got {max_seq_len!r}")
+    if max_seq_len is not None:
+        max_seq_len = check_int("max_seq_len", max_seq_len, minimum=0)
     device = check_same_device(q8=q8, weights=weights, index_cache=index_cache, block_table=block_table,
                                seq_lens=seq_lens)
     impl = resolve_backend(backend, device, "indexer_logits_paged", triton_dtypes_ok=not exact, block_size=block_size)
