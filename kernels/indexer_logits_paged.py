@@ -44,7 +44,7 @@ def indexer_logits_paged_reference(q8, weights, index_cache, block_table, seq_le
     chunk = max(1, (1 << 24) // max(1, n * hi))  # bounds the [N, HI, chunk] temporaries
     for r in range(b):
         # causal: query j of request r sees positions [0, S_r - N + j]
-        visible = min(lengths[r], width, block_table.shape[1] * block_size)
+        visible = min(lengths[r], width, block_table.shape[1] * block_size) if index_cache.shape[0] else 0
         q = q8[r].to(dt)  # [N, HI, DI]
         w = weights[r].to(dt)  # [N, HI]
         for s0 in range(0, visible, chunk):
@@ -149,7 +149,7 @@ def _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens
     b, n, hi, di = q8.shape
     width = _width(seq_lens, max_seq_len)  # None: a host sync
     logits = torch.empty((b * n, width), dtype=torch.float32, device=q8.device)
-    if b == 0 or width == 0:
+    if b * n == 0 or width == 0:
         return logits
     q8, weights = q8.contiguous(), weights.contiguous()
     block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
@@ -189,7 +189,7 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
         ``logits [B * N, W]`` float32: row ``b * N + j`` holds
         ``sum_h weights[h] * relu(q8[h] . k8[s]) * k_scale[s]`` on ``[0, seq_lens[b] - N + j]``
         and ``-inf`` elsewhere: past the block table and in blocks whose id is outside ``[0, NB)``
-        too. B=0 or W=0 give an empty ``[B * N, W]``.
+        too. B, N or W = 0 give an empty ``[B * N, W]``; NB = 0 gives all ``-inf``.
 
     The Triton kernel (CUDA, FP8 cache; ``1 <= HI <= 128``, ``DI`` in 32..256, ``P`` a multiple
     of 16, a contiguous cache) reads each key record once per request and scores it against all

@@ -16,6 +16,8 @@ def weight_scale(heads: int, head_dim: int) -> float:
 
 def indexer_query_prep_reference(q, w, hadamard):
     t, hi, di = q.shape
+    if t * hi == 0:
+        return torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device), w.new_empty((t, hi))
     if hadamard:
         q = hadamard_reference(q)
     q8, q_scale = quant_ue8m0_reference(q, group=di)  # [T, HI, DI] e4m3, [T, HI, 1] fp32
@@ -78,6 +80,8 @@ def indexer_query_prep(q: torch.Tensor, w: torch.Tensor, hadamard: bool, *,
     """
     check_tensor("q", q, dtype=FLOAT_DTYPES, shape=3)
     t, hi, di = q.shape
+    if di < 1:
+        raise ValueError(f"q: expected DI >= 1, got shape {list(q.shape)}")
     check_tensor("w", w, dtype=torch.float32, shape=(t, hi))
     device = check_same_device(q=q, w=w)
     impl = resolve_backend(backend, device, "indexer_query_prep", triton_dtypes_ok=q.dtype == torch.bfloat16)
