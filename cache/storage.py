@@ -117,12 +117,12 @@ def gather_indexer_keys(cache: IndexerKeyCache, block_table: torch.Tensor,
     check_tensor("block_table", block_table, dtype=torch.int32, shape=2, device=cache.data.device)
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(block_table.shape[0],), device=cache.data.device)
     lengths = seq_lens.long().clamp_min(0)
+    if (lengths > block_table.shape[1] * cache.block_size).any():  # before sizing anything by seq_lens
+        raise ValueError(f"block_table: too few blocks ({block_table.shape[1]}) for seq_lens")
     total = int(lengths.sum())
     row_to_req = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
     starts = torch.cumsum(lengths, 0) - lengths
     positions = (torch.arange(total, device=lengths.device) - starts[row_to_req]).to(torch.int32)
-    if (positions // cache.block_size >= block_table.shape[1]).any():
-        raise ValueError(f"block_table: too few blocks ({block_table.shape[1]}) for seq_lens")
     slots = positions_to_slots_reference(positions[:, None], block_table, row_to_req.to(torch.int32), seq_lens,
                                          cache.block_size)[:, 0].long()
     ok = (slots >= 0) & (slots < cache.num_blocks * cache.block_size)  # block ids outside [0, NB): nothing read

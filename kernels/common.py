@@ -1,4 +1,5 @@
 """Input validation and backend choice shared by the public ops of ``dsa.kernels``."""
+import math
 import numbers
 import os
 
@@ -61,6 +62,17 @@ def check_int(name: str, value, *, minimum: int | None = None) -> int:
     value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_real(name: str, value, *, positive: bool = False) -> float:
+    """``value`` as a float: TypeError naming ``name`` unless it is a real number (never a bool, a string
+    or a tensor), ValueError unless it is finite (and > 0 with ``positive``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name}: expected a finite number{' > 0' if positive else ''}, got {value!r}")
     return value
 
 

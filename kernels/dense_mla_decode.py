@@ -7,7 +7,7 @@ host sync.
 """
 import torch
 
-from .common import FLOAT_DTYPES, check_same_device, check_tensor, resolve_backend
+from .common import FLOAT_DTYPES, check_real, check_same_device, check_tensor, resolve_backend
 from .layouts import KV_LORA_RANK, LATENT_DIM, latent_cache_format
 from .slots import positions_to_slots_reference
 from .sparse_mla import mla_attention_triton, sparse_mla_reference
@@ -46,6 +46,7 @@ def dense_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: t
         ``out = 0``, ``lse = -inf``. B, N or H = 0 give empty outputs of these shapes.
     """
     fmt = latent_cache_format(latent_cache)
+    softmax_scale = check_real("softmax_scale", softmax_scale)
     check_tensor("q", q, dtype=FLOAT_DTYPES, shape=(None, None, None, LATENT_DIM))
     b = q.shape[0]
     check_tensor("block_table", block_table, dtype=torch.int32, shape=(b, None))

@@ -124,8 +124,8 @@ def indexer_key_write(index_cache: torch.Tensor, k: torch.Tensor, slot_mapping: 
     """
     check_tensor("k", k, dtype=FLOAT_DTYPES, shape=2)
     t, di = k.shape
-    if di < 1:
-        raise ValueError(f"k: expected DI >= 1, got shape {list(k.shape)}")
+    if di < 1 or (hadamard and di & (di - 1)):
+        raise ValueError(f"k: expected DI >= 1 (a power of two with hadamard), got shape {list(k.shape)}")
     block_size = check_block_size(block_size)
     check_tensor("index_cache", index_cache, dtype=torch.uint8, shape=(None, block_size * indexer_bytes_per_token(di)))
     check_tensor("slot_mapping", slot_mapping, dtype=INDEX_DTYPES, shape=(t,))

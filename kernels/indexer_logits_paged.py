@@ -200,6 +200,7 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
     b, n, hi, di = q8.shape
     block_size = check_block_size(block_size)
     check_tensor("weights", weights, dtype=torch.float32, shape=(b, n, hi))
+    check_tensor("index_cache", index_cache)
     exact = index_cache.is_floating_point()
     if exact:
         check_tensor("index_cache", index_cache, shape=(None, block_size, di))

@@ -80,8 +80,8 @@ def indexer_query_prep(q: torch.Tensor, w: torch.Tensor, hadamard: bool, *,
     """
     check_tensor("q", q, dtype=FLOAT_DTYPES, shape=3)
     t, hi, di = q.shape
-    if di < 1:
-        raise ValueError(f"q: expected DI >= 1, got shape {list(q.shape)}")
+    if di < 1 or (hadamard and di & (di - 1)):
+        raise ValueError(f"q: expected DI >= 1 (a power of two with hadamard), got shape {list(q.shape)}")
     check_tensor("w", w, dtype=torch.float32, shape=(t, hi))
     device = check_same_device(q=q, w=w)
     impl = resolve_backend(backend, device, "indexer_query_prep", triton_dtypes_ok=q.dtype == torch.bfloat16)

@@ -136,6 +136,8 @@ def latent_fp8_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 def latent_cache_format(cache: torch.Tensor) -> str:
     """``"bf16"``, ``"fp8"`` or ``"fp32"`` from a latent cache tensor's dtype and width."""
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"latent_cache: expected a torch.Tensor, got {type(cache).__name__}")
     if cache.dim() == 3 and cache.dtype == torch.bfloat16 and cache.shape[-1] == LATENT_DIM:
         return "bf16"
     if cache.dim() == 3 and cache.dtype == torch.uint8 and cache.shape[-1] == LATENT_FP8_BYTES:

@@ -4,20 +4,11 @@ A position outside the table (negative, or ``>= cos.shape[0]``) reads no table r
 back unrotated (``x`` as it is), on every device, without a host sync.
 """
 import math
-import numbers
 
 import torch
 
-from .common import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_tensor, check_same_device, compute_dtype, torch_only
-
-
-def _check_positive(name: str, value) -> float:
-    """A finite real number > 0 as a float, or TypeError/ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
-    return float(value)
+from .common import (FLOAT_DTYPES, INDEX_DTYPES, check_int, check_real, check_same_device, check_tensor, compute_dtype,
+                     torch_only)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -26,11 +17,11 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _yarn_inv_freq(rope_dim: int, base: float, scaling: dict) -> torch.Tensor:
-    factor = _check_positive("rope_scaling['factor']", scaling.get("factor"))
+    factor = check_real("rope_scaling['factor']", scaling.get("factor"), positive=True)
     original = check_int("rope_scaling['original_max_position_embeddings']",
                          scaling.get("original_max_position_embeddings"), minimum=1)
-    beta_fast = _check_positive("rope_scaling['beta_fast']", scaling.get("beta_fast", 32))
-    beta_slow = _check_positive("rope_scaling['beta_slow']", scaling.get("beta_slow", 1))
+    beta_fast = check_real("rope_scaling['beta_fast']", scaling.get("beta_fast", 32), positive=True)
+    beta_slow = check_real("rope_scaling['beta_slow']", scaling.get("beta_slow", 1), positive=True)
     if base == 1.0:
         raise ValueError("rope_theta: YaRN divides by ln(rope_theta); expected a value other than 1, got 1")
 
@@ -68,7 +59,7 @@ def yarn_cos_sin(max_positions: int, rope_dim: int, rope_theta: float, rope_scal
     if check_int("rope_dim", rope_dim, minimum=2) % 2:
         raise ValueError(f"rope_dim: expected an even int, got {rope_dim!r}")
     max_positions = check_int("max_positions", max_positions, minimum=1)
-    rope_theta = _check_positive("rope_theta", rope_theta)
+    rope_theta = check_real("rope_theta", rope_theta, positive=True)
     if rope_scaling is not None and not isinstance(rope_scaling, dict):
         raise TypeError(f"rope_scaling: expected None or a dict, got {type(rope_scaling).__name__}")
     kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
@@ -76,8 +67,9 @@ def yarn_cos_sin(max_positions: int, rope_dim: int, rope_theta: float, rope_scal
     if kind == "yarn":
         inv_freq = _yarn_inv_freq(rope_dim, rope_theta, rope_scaling)
         factor = float(rope_scaling["factor"])
-        attention_factor = (yarn_mscale(factor, float(rope_scaling.get("mscale", 1.0)))
-                            / yarn_mscale(factor, float(rope_scaling.get("mscale_all_dim", 0.0))))
+        attention_factor = (yarn_mscale(factor, check_real("rope_scaling['mscale']", rope_scaling.get("mscale", 1.0)))
+                            / yarn_mscale(factor, check_real("rope_scaling['mscale_all_dim']",
+                                                             rope_scaling.get("mscale_all_dim", 0.0))))
     elif kind == "default":
         inv_freq = 1.0 / (rope_theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
     else:

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FLOAT_DTYPES, check_same_device, check_tensor, compute_dtype, resolve_backend
+from .common import FLOAT_DTYPES, check_real, check_same_device, check_tensor, compute_dtype, resolve_backend
 from .layouts import (KV_LORA_RANK, LATENT_DIM, LATENT_FP8_ROPE_OFFSET, LATENT_FP8_SCALE_OFFSET, LATENT_FP8_TILE,
                       latent_cache_format, latent_fp8_views)
 
@@ -304,6 +304,7 @@ def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, slots: torch.Tensor,
         empty outputs of these shapes.
     """
     fmt = latent_cache_format(latent_cache)
+    softmax_scale = check_real("softmax_scale", softmax_scale)
     check_tensor("q", q, dtype=FLOAT_DTYPES, shape=(None, None, LATENT_DIM))
     check_tensor("slots", slots, dtype=torch.int32, shape=(q.shape[0], None))
     device = check_same_device(q=q, latent_cache=latent_cache, slots=slots)
