@@ -15,6 +15,8 @@ import itertools
 
 import torch
 
+from dsa.kernels.common import check_int
+
 from .config import bytes_per_token
 from .plan import PATHS
 from .runner import ModelRunner
@@ -33,14 +35,12 @@ class Engine:
                  max_batch_tokens: int = 8192, cuda_graphs: bool | None = None, prefix_caching: bool = True):
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("num_blocks / memory_bytes: give exactly one of them")
-        if not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool) or max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens: expected a positive int, got {max_batch_tokens!r}")
+        max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, minimum=1)
         self.model = model
         self.config = c = model.config
         if num_blocks is None:
             num_blocks = int(memory_bytes) // (bytes_per_token(c, model.dtype) * c.block_size)
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise ValueError(f"num_blocks: expected a positive int (from memory_bytes too), got {num_blocks!r}")
+        num_blocks = check_int("num_blocks", num_blocks, minimum=1)
         self.num_blocks = num_blocks
         namespace = repr((c, str(model.dtype)))  # what changes a block's content besides its tokens
         self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens, prefix_caching=prefix_caching,
@@ -85,13 +85,8 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_ids, max_new_tokens: int) -> int:
         """Queue a prompt (token ids); returns its request id. Raises ValueError if it can never fit."""
-        prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
-        if not prompt:
-            raise ValueError("prompt_ids: expected at least one token")
-        if any(not 0 <= t < self.config.vocab_size for t in prompt):
-            raise ValueError(f"prompt_ids: token ids must be in [0, {self.config.vocab_size})")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
+        prompt = token_ids(prompt_ids, self.config.vocab_size)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
         total = len(prompt) + max_new_tokens
         if total > self.config.max_position_embeddings:
             raise ValueError(f"prompt_ids: {len(prompt)} + max_new_tokens {max_new_tokens} = {total} tokens exceed "
@@ -147,3 +142,22 @@ class Engine:
             waiting = {r.rid for r in self.waiting}
             pending = {r for r in pending if r in self.running or r in waiting}
         return [out[r] for r in rids]
+
+
+def token_ids(prompt_ids, vocab_size: int) -> list:
+    """A prompt as a list of ints in ``[0, vocab_size)``, at least one; ``TypeError`` for floats and
+    bools (a float tensor too), ``ValueError`` for an empty prompt or ids out of range."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dtype == torch.bool or prompt_ids.is_floating_point() or prompt_ids.is_complex():
+            raise TypeError(f"prompt_ids: expected integer token ids, got a {prompt_ids.dtype} tensor")
+        if prompt_ids.dim() != 1:
+            raise ValueError(f"prompt_ids: expected a 1-D tensor, got shape {list(prompt_ids.shape)}")
+        prompt_ids = prompt_ids.tolist()
+    elif isinstance(prompt_ids, (str, bytes)):
+        raise TypeError(f"prompt_ids: expected integer token ids, got {type(prompt_ids).__name__}")
+    prompt = [check_int("prompt_ids", t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("prompt_ids: expected at least one token")
+    if any(not 0 <= t < vocab_size for t in prompt):
+        raise ValueError(f"prompt_ids: token ids must be in [0, {vocab_size})")
+    return prompt

@@ -18,6 +18,7 @@ from .attention import DSAAttention
 from .config import DSAConfig, latent_format
 from .dispatch import load_dispatch
 from .layers import MLP, MoE, RMSNorm, is_moe_layer
+from .loading import match_state_dict, read_pretrained
 from .parallel import TensorParallel, init_tensor_parallel
 from .plan import BatchPlan
 
@@ -115,9 +116,14 @@ class DSAModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.bfloat16, device=None, **overrides) -> "DSAModel":
-        """Load a HF checkpoint folder (``config.json`` + safetensors); see :mod:`dsa.loading`."""
-        from .loading import load_pretrained
-        return load_pretrained(cls, path, dtype, _default_device(device), overrides)
+        """Load a HF checkpoint folder (``config.json`` + safetensors). :mod:`dsa.loading` reads and checks
+        the config and tensors (errors name the file and tensor); the model is built here."""
+        config, tensors = read_pretrained(path, overrides)
+        with torch.device("meta"):
+            model = cls(config)
+        state = match_state_dict(tensors, {k: v.shape for k, v in model.state_dict().items()}, path)
+        model.load_state_dict({k: t.to(param_dtype(k, dtype)) for k, t in state.items()}, strict=True, assign=True)
+        return model.finalize(dtype, _default_device(device))
 
     def finalize(self, dtype: torch.dtype, device) -> "DSAModel":
         """Cast, move, absorb ``kv_b_proj``, pick the dispatch thresholds; call once after loading."""
