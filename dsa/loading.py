@@ -63,11 +63,18 @@ def _shards(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def dequantize_fp8_block(w8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """``W8 [N, K] e4m3`` times its per-128x128-block ``scale_inv [ceil(N/128), ceil(K/128)]`` -> fp32."""
-    n, k = w8.shape
-    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+def dequantize_fp8_block(w8: torch.Tensor, scale_inv: torch.Tensor, part: tuple = ()) -> torch.Tensor:
+    """``W8 [N, K] e4m3`` times its per-128x128-block ``scale_inv [ceil(N/128), ceil(K/128)]`` -> fp32.
+    ``part``: the index ``w8`` was read with from a larger weight (tensor parallelism)."""
+    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    rows, cols = (part + (slice(None),) * 2)[:2]
+    s = s[_offset(rows, w8.shape[0]), _offset(cols, w8.shape[1])]
     return w8.float() * s
+
+
+def _offset(ix: slice, n: int) -> slice:
+    start = ix.start or 0
+    return slice(start, start + n)
 
 
 def _nonfinite(t: torch.Tensor) -> bool:
@@ -76,10 +83,11 @@ def _nonfinite(t: torch.Tensor) -> bool:
     return t.is_floating_point() and not bool(torch.isfinite(t).all())
 
 
-def _read_files(path: str, num_layers: int, num_nextn: int) -> tuple[dict, dict]:
-    """``(tensors by HF name minus ``model.``, file of each)``, MTP layers dropped, everything else refused
-    unless readable and finite."""
-    raw, where, skipped = {}, {}, {}  # skipped: layer -> (a file, has eh_proj)
+def _read_files(path: str, num_layers: int, num_nextn: int, select=None) -> tuple[dict, dict, dict]:
+    """``(tensors by HF name minus ``model.``, file of each, slices read)``, MTP layers dropped, everything
+    else refused unless readable and finite. ``select(name, full_shape)``: None to skip the tensor,
+    else the index of the part to read (``()``: all of it)."""
+    raw, where, skipped, parts = {}, {}, {}, {}  # skipped: layer -> (a file, has eh_proj)
     for file in _shards(path):
         try:
             with safe_open(file, framework="pt") as f:
@@ -97,7 +105,15 @@ def _read_files(path: str, num_layers: int, num_nextn: int) -> tuple[dict, dict]
                     name = key.removeprefix("model.")
                     if name in raw:
                         raise ValueError(f"{file}: {key} is also in {where[name]}")
-                    raw[name], where[name] = f.get_tensor(key), file
+                    shape = tuple(f.get_slice(key).get_shape())
+                    part = () if select is None else select(name, shape)
+                    if part is None:
+                        continue  # another rank's expert
+                    if part and not name.endswith(SCALE_SUFFIX):
+                        raw[name], parts[name] = f.get_slice(key)[part], (part, shape)
+                    else:  # whole, and block scales whole (a slice of their weight picks its blocks)
+                        raw[name] = f.get_tensor(key)
+                    where[name] = file
         except SafetensorError as e:
             raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
     for layer, (file, mtp) in sorted(skipped.items()):
@@ -110,11 +126,12 @@ def _read_files(path: str, num_layers: int, num_nextn: int) -> tuple[dict, dict]
     for name, t in raw.items():
         if _nonfinite(t):
             raise ValueError(f"{where[name]}: {name}: holds NaN or inf")
-    return raw, where
+    return raw, where, parts
 
 
-def _dequantize(raw: dict, where: dict) -> dict:
-    """FP8 weights times their block scales; a scale must belong to an FP8 2-D weight of its exact grid."""
+def _dequantize(raw: dict, where: dict, parts: dict) -> dict:
+    """FP8 weights times their block scales; a scale must belong to an FP8 2-D weight of its exact grid.
+    A weight read in part (``parts``: its index and whole shape) takes the blocks of that part."""
     out = {}
     for key, t in raw.items():
         if key.endswith(SCALE_SUFFIX):
@@ -129,20 +146,22 @@ def _dequantize(raw: dict, where: dict) -> dict:
                 raise ValueError(f"{where[key]}: {key}: an FP8 weight without its {key}{SCALE_SUFFIX}")
             if t.dim() != 2:
                 raise ValueError(f"{where[key]}: {key}: expected a 2-D FP8 weight, got shape {list(t.shape)}")
-            grid = [-(-t.shape[0] // FP8_BLOCK), -(-t.shape[1] // FP8_BLOCK)]
+            part, full = parts.get(key, ((), tuple(t.shape)))
+            grid = [-(-n // FP8_BLOCK) for n in full]
             if list(scale.shape) != grid:
                 raise ValueError(f"{where[key + SCALE_SUFFIX]}: {key}{SCALE_SUFFIX}: expected {grid} blocks of "
-                                 f"{FP8_BLOCK}x{FP8_BLOCK} for the weight's {list(t.shape)}, got {list(scale.shape)}")
-            t = dequantize_fp8_block(t, scale)
+                                 f"{FP8_BLOCK}x{FP8_BLOCK} for the weight's {list(full)}, got {list(scale.shape)}")
+            t = dequantize_fp8_block(t, scale, part)
         out[key] = t
     return out
 
 
-def read_pretrained(path, overrides: dict | None = None) -> tuple[DSAConfig, dict]:
+def read_pretrained(path, overrides: dict | None = None, tp=None) -> tuple[DSAConfig, dict]:
     """``(config, tensors)`` of a checkpoint folder: our tensor names -> fp32 (dequantized) or stored dtype.
 
     ``overrides``: DSAConfig fields that keep weight shapes; others raise ``ValueError``. Indexer
-    weights in a checkpoint whose config has no indexer (``deepseek_v3``) are refused.
+    weights in a checkpoint whose config has no indexer (``deepseek_v3``) are refused. ``tp``: a
+    :class:`dsa.parallel.TensorParallel`; only this rank's shard of each tensor is read.
     """
     path = os.fspath(path)
     overrides = dict(overrides or {})
@@ -157,14 +176,20 @@ def read_pretrained(path, overrides: dict | None = None) -> tuple[DSAConfig, dic
         num_nextn = check_int("num_nextn_predict_layers", hf.get("num_nextn_predict_layers", 0), minimum=0)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{config_file}: {e}") from None
-    raw, where = _read_files(path, config.num_hidden_layers, num_nextn)
+    select = None
+    if tp is not None and tp.size > 1:
+        def select(name, shape):  # block scales are read whole: a slice of their weight picks its blocks
+            if not tp.holds(name):
+                return None
+            return () if name.endswith(SCALE_SUFFIX) else tp.shard(name, shape, config) or ()
+    raw, where, parts = _read_files(path, config.num_hidden_layers, num_nextn, select)
     if config.index_topk is None:
         indexer = sorted(k for k in raw if ".indexer." in k)
         if indexer:
             raise ValueError(f"{where[indexer[0]]}: {indexer[0]} (and {len(indexer) - 1} more indexer tensors): "
                              f"model_type {config.model_type!r} of {config_file} has no indexer, so they would be "
                              "dropped; use the checkpoint's own model_type")
-    tensors = _dequantize(raw, where)
+    tensors = _dequantize(raw, where, parts)
     if config.tie_word_embeddings and "lm_head.weight" not in tensors and "embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
     return config, tensors

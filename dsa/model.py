@@ -115,12 +115,15 @@ class DSAModel(nn.Module):
         return model.finalize(dtype, device)
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype = torch.bfloat16, device=None, **overrides) -> "DSAModel":
+    def from_pretrained(cls, path, dtype: torch.dtype = torch.bfloat16, device=None, tp_size: int = 1,
+                        tp_check: bool = False, **overrides) -> "DSAModel":
         """Load a HF checkpoint folder (``config.json`` + safetensors). :mod:`dsa.loading` reads and checks
-        the config and tensors (errors name the file and tensor); the model is built here."""
-        config, tensors = read_pretrained(path, overrides)
+        the config and tensors (errors name the file and tensor); the model is built here. With
+        ``tp_size > 1`` (one process per rank, see :mod:`dsa.parallel`) each rank reads only its shard."""
+        tp = init_tensor_parallel(tp_size, check_selection=tp_check)
+        config, tensors = read_pretrained(path, overrides, tp)
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config, tp=tp)
         state = match_state_dict(tensors, {k: v.shape for k, v in model.state_dict().items()}, path)
         model.load_state_dict({k: t.to(param_dtype(k, dtype)) for k, t in state.items()}, strict=True, assign=True)
         return model.finalize(dtype, _default_device(device))

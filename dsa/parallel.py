@@ -20,6 +20,7 @@ sampled tokens are identical on all ranks, no broadcast is needed. ``check_selec
 default) all-gathers a hash of every layer's slots per step and raises if the ranks disagree.
 """
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,9 @@ SPLIT_DIMS = {
     "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "mlp.down_proj.weight": 1,
     "shared_experts.gate_proj.weight": 0, "shared_experts.up_proj.weight": 0, "shared_experts.down_proj.weight": 1,
 }
+
+
+EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,11 @@ class TensorParallel:
 
     def owns_expert(self, e: int) -> bool:
         return e % self.size == self.rank
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank holds (part of) the tensor ``name``: all but other ranks' experts."""
+        m = EXPERT_RE.search(name)
+        return m is None or self.owns_expert(int(m.group(1)))
 
     def shard(self, name: str, full_shape: tuple, config) -> tuple | None:
         """The slices of checkpoint tensor ``name`` (of ``full_shape``) this rank holds, or None when

@@ -24,15 +24,15 @@ def _config(kind: str) -> DSAConfig:
                           index_skip_topk_offset=1, rope_scaling=None, rope_theta=1e6, n_shared_experts=1, **common)
 
 
-def _inputs():
+def _inputs(vocab: int):
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 512, (2, 40), generator=g)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (37, 9, 25)]
+    ids = torch.randint(0, vocab, (2, 40), generator=g)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (37, 9, 25)]
     return ids, prompts
 
 
 def _run(model):
-    ids, prompts = _inputs()
+    ids, prompts = _inputs(model.config.vocab_size)
     return {"logits": model(ids), "tokens": Engine(model, num_blocks=64).generate(prompts, 6),
             "bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
@@ -46,6 +46,9 @@ def _worker(rank, world, port, out):
             model = DSAModel.random(_config(kind), seed=0, dtype=torch.float32, device="cpu", tp_size=world,
                                     tp_check=True)
             torch.save(_run(model), os.path.join(out, f"{kind}-rank{rank}.pt"))
+        model = DSAModel.from_pretrained(os.path.join(out, "hf"), dtype=torch.float32, device="cpu", tp_size=world,
+                                         indexer_precision="exact")
+        torch.save(_run(model), os.path.join(out, f"hf-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -69,7 +72,10 @@ def spawn(fn, world, *args):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
+    """The ranks' results for random V3.2 and GLM-MoE-DSA models and a checkpoint saved by transformers."""
+    from tests.test_interop import _save
     out = tmp_path_factory.mktemp("tp")
+    _save("deepseek_v32", out / "hf")
     spawn(_worker, 2, str(out))
     return out
 
@@ -89,6 +95,41 @@ def test_two_ranks_give_the_single_process_results(kind, two_ranks):
                   and ".indexer." not in name and "kv_a_proj" not in name and "q_a_proj" not in name)
     saved = one["bytes"] - ranks[0]["bytes"]
     assert abs(saved - sharded / 2) <= 0.05 * sharded, (saved, sharded)  # each rank holds half of the split tensors
+
+
+def test_a_transformers_checkpoint_loads_sharded(two_ranks):
+    one = _run(DSAModel.from_pretrained(two_ranks / "hf", dtype=torch.float32, device="cpu",
+                                        indexer_precision="exact"))
+    for r in range(2):
+        got = torch.load(two_ranks / f"hf-rank{r}.pt")
+        assert float((got["logits"] - one["logits"]).abs().max()) < 1e-5 and got["tokens"] == one["tokens"]
+        assert got["bytes"] < one["bytes"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_reads_only_its_shard_of_fp8_blocks(rank, tmp_path):
+    """Split rows of q_b_proj (2 x 192) cut through a 128-row scale block: the shard dequantizes with
+    the blocks of its own rows."""
+    from dsa.loading import read_pretrained
+    from dsa.parallel import TensorParallel
+    from tests.test_loading import _hf_tensors, _quantize_fp8_block, _write
+    from tests.model_utils import tiny_model
+    tensors = {}
+    for k, v in _hf_tensors(tiny_model(seed=3, block_size=16)).items():
+        if v.dim() == 2 and "proj" in k and v.shape[0] >= 64:
+            tensors[k], tensors[k + "_scale_inv"] = _quantize_fp8_block(v)
+        else:
+            tensors[k] = v
+    _write(tmp_path, tensors, shards=2)
+    tp = TensorParallel(size=2, rank=rank)
+    config, full = read_pretrained(tmp_path)
+    _, part = read_pretrained(tmp_path, tp=tp)
+    experts = [k for k in full if ".experts." in k]
+    assert experts and all(tp.holds(k) == (k in part) for k in experts)
+    for name, t in part.items():
+        index = tp.shard(name, tuple(full[name].shape), config)
+        assert torch.equal(t, full[name] if index is None else full[name][index]), name
+    assert part["layers.0.self_attn.q_b_proj.weight"].shape[0] == 2 * 96
 
 
 def test_tp_size_without_torchrun_is_explained():
