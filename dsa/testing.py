@@ -64,15 +64,17 @@ def poison_unowned_indexer_rows(cache: torch.Tensor, owned: torch.Tensor, block_
 
 
 class Guarded:
-    """A tensor allocated inside a larger byte buffer whose ``guard`` bytes on each side hold
-    :data:`GUARD_BYTE`: :meth:`intact` tells whether anything wrote outside the tensor, and a kernel
-    that reads outside it reads NaN."""
+    """A tensor allocated inside a larger byte buffer whose ``guard_bytes`` on each side hold ``byte``
+    (default :data:`GUARD_BYTE`, NaN): :meth:`intact` tells whether anything wrote outside the tensor,
+    and a kernel that reads outside it reads the guard (NaN poisons float results; pick a ``byte`` that
+    makes an integer read visible)."""
 
-    def __init__(self, shape, dtype, device, guard_bytes: int):
+    def __init__(self, shape, dtype, device, guard_bytes: int, byte: int = GUARD_BYTE):
         nbytes = torch.Size(shape).numel() * dtype.itemsize
+        self.byte = byte
         self.guard = -(-guard_bytes // 16) * 16  # keeps the tensor 16-byte aligned
-        self.buffer = torch.full((self.guard + nbytes + self.guard,), GUARD_BYTE, dtype=torch.uint8, device=device)
+        self.buffer = torch.full((self.guard + nbytes + self.guard,), byte, dtype=torch.uint8, device=device)
         self.tensor = self.buffer[self.guard:self.guard + nbytes].view(dtype).view(shape)
 
     def intact(self) -> bool:
-        return bool((self.buffer[:self.guard] == GUARD_BYTE).all() and (self.buffer[-self.guard:] == GUARD_BYTE).all())
+        return bool((self.buffer[:self.guard] == self.byte).all() and (self.buffer[-self.guard:] == self.byte).all())

@@ -3,6 +3,12 @@
 Each op ``<op>`` validates shapes, dtypes and devices, then runs Triton on CUDA tensors and
 its ``<op>_reference`` twin (pure torch, any device) otherwise; ``backend="torch"|"triton"|"auto"``
 overrides. This package imports nothing else of ``dsa``.
+
+Rules every op keeps on both backends, without a host sync: ids outside their range (a slot outside
+``[0, NB * P)``, a block id outside ``[0, NB)``, a ``row_to_req`` outside ``[0, B)``, a position outside
+its table) read and write nothing and contribute nothing, as each docstring details; empty inputs give
+empty outputs of the documented shapes; NaN/inf encode in FP8 as ``layouts`` says. Python ints are
+checked by ``common.check_int`` (no bools, floats or tensors), numbers by ``common.check_real``.
 """
 from .dense_mla_decode import dense_mla_decode, dense_mla_decode_reference
 from .indexer_key_write import indexer_key_write, indexer_key_write_reference

@@ -1,4 +1,8 @@
-"""indexer_key_write: Hadamard (optional), ue8m0 FP8 quantization per token, planar store by slot."""
+"""indexer_key_write: Hadamard (optional), ue8m0 FP8 quantization per token, planar store by slot.
+
+A slot outside ``[0, NB * P)`` writes nothing; a key holding NaN or +-inf is stored as NaN (the rule of
+``layouts``); both backends write the same bytes, without a host sync.
+"""
 import torch
 import triton
 import triton.language as tl

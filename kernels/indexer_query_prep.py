@@ -1,4 +1,8 @@
-"""indexer_query_prep: Hadamard (optional), per-(token, head) ue8m0 FP8 queries, folded head weights."""
+"""indexer_query_prep: Hadamard (optional), per-(token, head) ue8m0 FP8 queries, folded head weights.
+
+A (token, head) row holding NaN or +-inf is NaN and NaN weights are ``0x7FC00000`` (the rule of
+``layouts``): both backends give the same bytes whatever the inputs hold.
+"""
 import torch
 import triton
 import triton.language as tl
