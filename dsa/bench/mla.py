@@ -147,13 +147,11 @@ def run(device, timer, ceilings, args) -> list:
                       "dense_mla_decode", impl, dict(B=b, N=1, H=H, S=s, cache="bf16"), nbytes, flops, reps=10,
                       target=TARGETS.get(("dense_mla_decode", b, s, "bf16")))
         if s == 32768 and variants and "hopper" in impls:
-            for splits, prefetch in ((1, False), (2, True)):
-                fn = lambda: hopper.mla_attention_hopper(  # noqa: E731
-                    qd.view(-1, D_L), cache, H, b, block_table=table, seq_lens=lens, n=1, h=H,
-                    length=table.shape[1] * P, softmax_scale=SCALE, splits=splits, prefetch=prefetch)
-                timed_row(rows, timer, ceilings, fn, "dense_mla_decode",
-                          f"hopper splits={splits}" + ("" if prefetch else " no-L2-prefetch"),
-                          dict(B=b, N=1, H=H, S=s, cache="bf16"), nbytes, flops, reps=10)
+            fn = lambda: hopper.mla_attention_hopper(  # noqa: E731
+                qd.view(-1, D_L), cache, H, b, block_table=table, seq_lens=lens, n=1, h=H,
+                length=table.shape[1] * P, softmax_scale=SCALE, splits=2)
+            timed_row(rows, timer, ceilings, fn, "dense_mla_decode", "hopper splits=2",
+                      dict(B=b, N=1, H=H, S=s, cache="bf16"), nbytes, flops, reps=10)
         if s == 32768:
             t = timer(lambda: dense_mla_decode_reference(qd, cache, table, lens, SCALE), reps=3)
             add(rows, result_row("dense_mla_decode", "torch-reference", dict(B=b, N=1, H=H, S=s, cache="bf16"),
@@ -162,8 +160,8 @@ def run(device, timer, ceilings, args) -> list:
 
 
 def sweep(rows, timer, ceilings, q, cache, slots, t, fmt, nbytes, flops, impls) -> None:
-    """Variants of the sparse decode: the portable kernel's (BLOCK_N, stages); the Hopper kernel's split
-    count and its L2 prefetch (what leaving it out costs)."""
+    """Variants of the sparse decode: the portable kernel's (BLOCK_N, stages), the Hopper kernel's split
+    count."""
     shape = dict(B=t, N=1, H=H, K=K, cache=fmt)
     for bn, stages in SWEEP[fmt]:
         fn = lambda: mla_attention_triton(q.view(-1, D_L), cache, H, t, slots=slots,  # noqa: E731
@@ -175,9 +173,9 @@ def sweep(rows, timer, ceilings, q, cache, slots, t, fmt, nbytes, flops, impls) 
             continue
         timed_row(rows, timer, ceilings, fn, "sparse_mla_decode", f"triton BLOCK_N={bn} stages={stages}", shape,
                   nbytes, flops)
-    if "hopper" in impls:  # a grid of 2 or 4 programs per SM; the L2 prefetch of the next pair left out
-        for splits, prefetch in ((2, True), (4, True), (1, False)):
+    if "hopper" in impls:  # 2 or 4 programs per SM instead of one
+        for splits in (2, 4):
             fn = lambda: hopper.mla_attention_hopper(q.view(-1, D_L), cache, H, t, slots=slots,  # noqa: E731
-                                                     length=K, softmax_scale=SCALE, splits=splits, prefetch=prefetch)
-            timed_row(rows, timer, ceilings, fn, "sparse_mla_decode",
-                      f"hopper splits={splits}" + ("" if prefetch else " no-L2-prefetch"), shape, nbytes, flops)
+                                                     length=K, softmax_scale=SCALE, splits=splits)
+            timed_row(rows, timer, ceilings, fn, "sparse_mla_decode", f"hopper splits={splits}", shape, nbytes,
+                      flops)
