@@ -7,6 +7,7 @@ host sync.
 """
 import torch
 
+from . import sparse_mla_hopper as hopper
 from .common import FLOAT_DTYPES, check_real, check_same_device, check_tensor, resolve_backend
 from .layouts import KV_LORA_RANK, LATENT_DIM, latent_cache_format
 from .slots import positions_to_slots_reference
@@ -39,6 +40,8 @@ def dense_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: t
         seq_lens: ``[B]`` int32, ``S`` of each request (its ``N`` new tokens included); any value
             (positions past the block table are not attended).
         softmax_scale: multiplies ``q . k``.
+        backend: ``"auto"``, ``"hopper"``, ``"triton"`` or ``"torch"``, as for ``sparse_mla`` (whose
+            kernels serve this op with the rows taken from the block table).
 
     Returns:
         ``(out [B, N, H, 512] q.dtype, lse [B, N, H] float32)``: query ``j`` of request ``b``
@@ -52,8 +55,9 @@ def dense_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: t
     check_tensor("block_table", block_table, dtype=torch.int32, shape=(b, None))
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(b,))
     device = check_same_device(q=q, latent_cache=latent_cache, block_table=block_table, seq_lens=seq_lens)
-    impl = resolve_backend(backend, device, "dense_mla_decode", triton_dtypes_ok=fmt != "fp32" and q.dtype == torch.bfloat16,
-                           block_size=latent_cache.shape[1])
+    use_hopper = hopper.use_hopper(backend, device, q.shape[2], (latent_cache,))  # raises if "hopper" cannot run
+    impl = resolve_backend("triton" if backend == "hopper" else backend, device, "dense_mla_decode",
+                           triton_dtypes_ok=fmt != "fp32" and q.dtype == torch.bfloat16, block_size=latent_cache.shape[1])
     if impl == "torch":
         return dense_mla_decode_reference(q, latent_cache, block_table, seq_lens, float(softmax_scale))
     if latent_cache.stride(2) != 1:
@@ -61,7 +65,8 @@ def dense_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: t
     n, h = q.shape[1], q.shape[2]
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     # one program group per request over its N * H query rows; the context bound MB * P needs no host sync
-    out, lse = mla_attention_triton(q.contiguous().view(b * n * h, LATENT_DIM), latent_cache, n * h, b,
-                                    block_table=block_table, seq_lens=seq_lens, n=n, h=h,
-                                    length=block_table.shape[1] * latent_cache.shape[1], softmax_scale=softmax_scale)
+    q_rows = q.contiguous().view(b * n * h, LATENT_DIM)
+    run = hopper.mla_attention_hopper if use_hopper else mla_attention_triton
+    out, lse = run(q_rows, latent_cache, n * h, b, block_table=block_table, seq_lens=seq_lens, n=n, h=h,
+                   length=block_table.shape[1] * latent_cache.shape[1], softmax_scale=softmax_scale)
     return out.view(b, n, h, KV_LORA_RANK), lse.view(b, n, h)

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import sparse_mla_hopper as hopper
 from .common import FLOAT_DTYPES, check_real, check_same_device, check_tensor, compute_dtype, resolve_backend
 from .layouts import (KV_LORA_RANK, LATENT_DIM, LATENT_FP8_ROPE_OFFSET, LATENT_FP8_SCALE_OFFSET, LATENT_FP8_TILE,
                       latent_cache_format, latent_fp8_views)
@@ -294,9 +295,13 @@ def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, slots: torch.Tensor,
         latent_cache: bfloat16 ``[NB, P, 576]``, uint8 ``[NB, P, 656]`` (FP8) or float32
             ``[NB, P, 576]`` (reference only). K is the whole row, V its first 512 values.
         slots: ``[T, K]`` int32 cache slots; a slot outside ``[0, NB * P)`` (``-1``, any negative,
-            ``NB * P`` or more) is skipped: never read, no weight. ``K`` a multiple of 16 for
-            Triton; ``K = 0`` is allowed.
+            ``NB * P`` or more) is skipped: never read, no weight. Any ``K``, ``K = 0`` included
+            (the kernels pad it to their tile of 16 with skipped slots).
         softmax_scale: multiplies ``q . k`` before the softmax.
+        backend: ``"auto"`` (default) runs the Hopper kernel (``sparse_mla_hopper``) on sm_90 when ``H``
+            is a multiple of 64, the portable Triton kernel on other CUDA devices, and the reference on
+            CPU or for float32 inputs; ``"hopper"``, ``"triton"`` and ``"torch"`` pick one (``"hopper"``
+            raises ValueError where it cannot run). The kernels compute the same function.
 
     Returns:
         ``(out [T, H, 512] q.dtype, lse [T, H] float32)`` with natural-log ``lse``; a row with
@@ -308,16 +313,18 @@ def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, slots: torch.Tensor,
     check_tensor("q", q, dtype=FLOAT_DTYPES, shape=(None, None, LATENT_DIM))
     check_tensor("slots", slots, dtype=torch.int32, shape=(q.shape[0], None))
     device = check_same_device(q=q, latent_cache=latent_cache, slots=slots)
-    impl = resolve_backend(backend, device, "sparse_mla", triton_dtypes_ok=fmt != "fp32" and q.dtype == torch.bfloat16)
+    use_hopper = hopper.use_hopper(backend, device, q.shape[1], (latent_cache,))  # raises if "hopper" cannot run
+    impl = resolve_backend("triton" if backend == "hopper" else backend, device, "sparse_mla",
+                           triton_dtypes_ok=fmt != "fp32" and q.dtype == torch.bfloat16)
     if impl == "torch":
         return sparse_mla_reference(q, latent_cache, slots, float(softmax_scale))
+    if slots.shape[1] % 16:  # the kernels take tiles of 16 slots: pad with skipped slots
+        slots = torch.nn.functional.pad(slots, (0, 16 - slots.shape[1] % 16), value=-1)
     t, h, k = q.shape[0], q.shape[1], slots.shape[1]
-    if k % 16 != 0:
-        raise ValueError(f"slots: the Triton kernel of sparse_mla takes K a multiple of 16, got K={k}; "
-                         "pad with -1 or use backend='torch'")
     if latent_cache.stride(2) != 1:
         raise ValueError("latent_cache: expected unit stride along the row (a contiguous last dim)")
-    out, lse = mla_attention_triton(q.contiguous().view(t * h, LATENT_DIM), latent_cache, h, t,
-                                    slots=slots if slots.stride(1) == 1 else slots.contiguous(), length=k,
-                                    softmax_scale=softmax_scale)
+    q_rows = q.contiguous().view(t * h, LATENT_DIM)
+    slots = slots if slots.stride(1) == 1 else slots.contiguous()
+    run = hopper.mla_attention_hopper if use_hopper else mla_attention_triton
+    out, lse = run(q_rows, latent_cache, h, t, slots=slots, length=k, softmax_scale=softmax_scale)
     return out.view(t, h, KV_LORA_RANK), lse.view(t, h)

@@ -19,7 +19,7 @@ def test_render_fixture_into_readme(tmp_path):
     docs = load_results(str(tmp_path))
     md = render_markdown(docs)
     assert "| `indexer-h200-2026-11-29.json` | NVIDIA H200 | 4.28 | 692 | 1272 |" in md
-    assert "| indexer_logits_paged | triton | B=64 N=1 S=65536 | 150.0 | 3.69 |  | 86% copy | <= 145 us (missed) |" in md
+    assert "| indexer_logits_paged | triton | B=64 N=1 S=65536 | 150.0 |  | 3.69 |  | 86% copy | <= 145 us (missed) |" in md
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n{BEGIN}\nold\n{END}\ntail\n")
     update_readme(str(readme), md)

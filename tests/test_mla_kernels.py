@@ -81,10 +81,16 @@ def test_dense_decode_matches_reference_and_sparse(fmt, n, h):
     check_attention(out_s, lse_s, out.flatten(0, 1), lse.flatten(0, 1))
 
 
-def test_sparse_k_not_multiple_of_16_is_refused():
-    with pytest.raises(ValueError, match="^slots"):
-        K.sparse_mla(torch.zeros(1, 2, 576, dtype=torch.bfloat16), torch.zeros(2, 16, 576, dtype=torch.bfloat16),
-                     torch.zeros(1, 24, dtype=torch.int32), 0.1, backend="triton")
+@pytest.mark.parametrize("k", [1, 24, 37], ids=lambda k: f"K{k}")
+def test_sparse_any_k_is_padded_inside_the_op(k):
+    """The op owns its tile constraint: K that is not a multiple of 16 is padded with skipped slots."""
+    g = torch.Generator().manual_seed(k)
+    q = (torch.randn(3, 4, 576, generator=g) * 0.3).to(torch.bfloat16)
+    cache = (torch.randn(4, 16, 576, generator=g) * 0.5).to(torch.bfloat16)
+    slots = torch.randint(-1, 64, (3, k), generator=g, dtype=torch.int32)
+    out, lse = K.sparse_mla(q, cache, slots, SCALE, backend="triton")
+    ref_out, ref_lse = K.sparse_mla_reference(q.float(), cache.float(), slots, SCALE)
+    check_attention(out, lse, ref_out, ref_lse)
 
 
 def latent_write_inputs(t, seed):

@@ -1,8 +1,14 @@
-"""``dsa bench mla``: sparse absorbed MLA decode/prefill and dense absorbed decode, Triton and torch reference."""
+"""``dsa bench mla``: sparse absorbed MLA decode/prefill and dense absorbed decode.
+
+Each shape runs the Hopper kernel (on sm_90) and the portable Triton kernel side by side, each timed
+eagerly (``median_us``) and under CUDA-graph replay (``graph_us``, what a decode step sees; the targets
+of issue #15 are graph-replay times). ``--variants`` adds tile/split sweeps.
+"""
 import torch
 
 from dsa.kernels import (dense_mla_decode, dense_mla_decode_reference, latent_write, sparse_mla,
                          sparse_mla_reference)
+from dsa.kernels import sparse_mla_hopper as hopper
 from dsa.kernels.sparse_mla import mla_attention_triton
 from dsa.testing import random_block_tables
 
@@ -13,6 +19,10 @@ SCALE = 0.1352
 ROW_BYTES = {"bf16": D_L * 2, "fp8": 656}
 CTX = 8192  # rows each decode request owns; its slots are drawn from them
 SWEEP = {"bf16": [(64, 2), (32, 2), (16, 4), (32, 4)], "fp8": [(64, 2)]}  # (BLOCK_N, stages) besides the default
+# graph-replay targets (us) of issue #15, FlashMLA's time in the same run beside them
+TARGETS = {("sparse_mla_decode", 64, 1, "bf16"): 90.0, ("sparse_mla_decode", 64, 1, "fp8"): 95.0,
+           ("sparse_mla_decode", 128, 2, "bf16"): 350.0, ("sparse_mla_decode", 128, 2, "fp8"): 350.0,
+           ("sparse_mla_prefill", 4096, 1, "bf16"): 4600.0, ("dense_mla_decode", 64, 32768, "bf16"): 1010.0}
 
 
 def latent_caches(num_tokens: int, device, seed: int = 0) -> dict:
@@ -56,13 +66,33 @@ def check(got, want, what: str) -> None:
 def add(rows: list, row: dict) -> None:
     """Keep a row and print it at once (a long run shows progress)."""
     rows.append(row)
-    print(f"{row['name']} {row['impl']} {row['shape']}: {row['median_us']:.1f} us, "
+    graph = f", graph {row['graph_us']:.1f} us" if "graph_us" in row else ""
+    print(f"{row['name']} {row['impl']} {row['shape']}: {row['median_us']:.1f} us{graph}, "
           f"{row.get('tflops', 0):.0f} TFLOP/s, {row.get('tbps', 0):.2f} TB/s", flush=True)
+
+
+def backends(device) -> list[str]:
+    """The kernels to time: the Hopper one where it runs, and the portable one."""
+    reason = hopper.unsupported_reason(device, H)
+    if reason is not None:
+        print(f"Hopper kernel not timed: {reason}")
+    return (["hopper"] if reason is None else []) + ["triton"]
+
+
+def timed_row(rows, timer, ceilings, fn, name, impl, shape, nbytes, flops, reps=None, target=None, **extra):
+    """Time ``fn`` eagerly and under graph replay; one row with both."""
+    eager = timer(fn, reps)
+    graph = timer(fn, reps, graph=True)
+    seconds = graph["median_us"] * 1e-6
+    add(rows, result_row(name, impl, shape, eager, ceilings, bytes_moved=nbytes, flops=flops, bound="bf16",
+                         target_us=target, graph_us=graph["median_us"], graph_p10_us=graph["p10_us"],
+                         graph_p90_us=graph["p90_us"], graph_tflops=flops / seconds / 1e12, **extra))
 
 
 def run(device, timer, ceilings, args) -> list:
     rows = []
-    bf16_rate = ceilings["bf16_tflops"]
+    impls = backends(device)
+    variants = getattr(args, "variants", False)
     caches = latent_caches(128 * CTX, device)
     # sparse decode: T = B * N rows, K = 2048 slots each
     shapes = [(64, 1)] if args.quick else [(b, n) for n in (1, 2) for b in (1, 64, 128)]
@@ -70,27 +100,16 @@ def run(device, timer, ceilings, args) -> list:
         slots = decode_slots(b, n, device)
         q = (torch.randn(b * n, H, D_L, device=device) * 0.1).to(torch.bfloat16)
         for fmt, cache in caches.items():
-            check(sparse_mla(q[:8], cache, slots[:8], SCALE), sparse_mla_reference(q[:8], cache, slots[:8], SCALE),
-                  f"sparse decode {fmt}")
-            t = timer(lambda: sparse_mla(q, cache, slots, SCALE))
             nbytes, flops = sparse_cost(b * n, K, fmt)
-            target = {(64, 1, "bf16"): 85.0, (64, 1, "fp8"): 95.0}.get((b, n, fmt))
-            extra = {"target_tflops": 450.0} if (b, n, fmt) == (128, 2, "bf16") else {}
-            add(rows, result_row("sparse_mla_decode", "triton", dict(B=b, N=n, H=H, K=K, cache=fmt), t, ceilings,
-                                   bytes_moved=nbytes, flops=flops, bound="bf16", target_us=target, **extra))
-            if (b, n) == (64, 1):
-                for bn, stages in SWEEP[fmt]:
-                    fn = lambda: mla_attention_triton(q.view(-1, D_L), cache, H, b * n, slots=slots,  # noqa: E731
-                                                      length=K, softmax_scale=SCALE, block_n=bn, num_stages=stages)
-                    try:
-                        fn()
-                    except Exception as exc:  # a config that does not fit (registers, shared memory)
-                        print(f"sparse decode {fmt} BLOCK_N={bn} stages={stages}: {type(exc).__name__} {exc}"[:300])
-                        continue
-                    t = timer(fn)
-                    add(rows, result_row("sparse_mla_decode", f"triton BLOCK_N={bn} stages={stages}",
-                                           dict(B=b, N=n, H=H, K=K, cache=fmt), t, ceilings, bytes_moved=nbytes,
-                                           flops=flops, bound="bf16"))
+            shape = dict(B=b, N=n, H=H, K=K, cache=fmt)
+            for impl in impls:
+                check(sparse_mla(q[:8], cache, slots[:8], SCALE, backend=impl),
+                      sparse_mla_reference(q[:8], cache, slots[:8], SCALE), f"sparse decode {fmt} {impl}")
+                timed_row(rows, timer, ceilings, lambda: sparse_mla(q, cache, slots, SCALE, backend=impl),
+                          "sparse_mla_decode", impl, shape, nbytes, flops,
+                          target=TARGETS.get(("sparse_mla_decode", b, n, fmt)))
+            if variants and (b, n) == (64, 1):
+                sweep(rows, timer, ceilings, q, cache, slots, b * n, fmt, nbytes, flops, impls)
         if (b, n) == (64, 1):
             t = timer(lambda: sparse_mla_reference(q, caches["bf16"], slots, SCALE), reps=5)
             nbytes, flops = sparse_cost(b * n, K)
@@ -103,13 +122,13 @@ def run(device, timer, ceilings, args) -> list:
     q = (torch.randn(tp, H, D_L, device=device) * 0.1).to(torch.bfloat16)
     for fmt in ("bf16",) if args.quick else ("bf16", "fp8"):
         cache = caches[fmt]
-        check(sparse_mla(q[:8], cache, slots[:8], SCALE), sparse_mla_reference(q[:8], cache, slots[:8], SCALE),
-              f"sparse prefill {fmt}")
-        t = timer(lambda: sparse_mla(q, cache, slots, SCALE), reps=10)
         nbytes, flops = sparse_cost(tp, K, fmt)
-        extra = {"target_tflops": 550.0} if fmt == "bf16" else {}
-        add(rows, result_row("sparse_mla_prefill", "triton", dict(T=tp, H=H, K=K, cache=fmt), t, ceilings,
-                               bytes_moved=nbytes, flops=flops, bound="bf16", **extra))
+        for impl in impls:
+            check(sparse_mla(q[:8], cache, slots[:8], SCALE, backend=impl),
+                  sparse_mla_reference(q[:8], cache, slots[:8], SCALE), f"sparse prefill {fmt} {impl}")
+            timed_row(rows, timer, ceilings, lambda: sparse_mla(q, cache, slots, SCALE, backend=impl),
+                      "sparse_mla_prefill", impl, dict(T=tp, H=H, K=K, cache=fmt), nbytes, flops, reps=10,
+                      target=TARGETS.get(("sparse_mla_prefill", tp, 1, fmt)))
     del caches, slots, q
     # dense absorbed decode, B = 64 requests of S positions in random blocks
     b = 64
@@ -120,14 +139,43 @@ def run(device, timer, ceilings, args) -> list:
     qd = (torch.randn(b, 1, H, D_L, device=device) * 0.1).to(torch.bfloat16)
     for s in (32768,) if args.quick else (8192, 32768, 131072):
         lens = torch.full((b,), s, dtype=torch.int32, device=device)
-        check(dense_mla_decode(qd[:2], cache, table[:2], lens[:2], SCALE),
-              dense_mla_decode_reference(qd[:2], cache, table[:2], lens[:2], SCALE), "dense decode")
-        t = timer(lambda: dense_mla_decode(qd, cache, table, lens, SCALE), reps=10)
         nbytes, flops = dense_cost(b, s)
-        add(rows, result_row("dense_mla_decode", "triton", dict(B=b, N=1, H=H, S=s, cache="bf16"), t, ceilings,
-                               bytes_moved=nbytes, flops=flops, bound="bf16", target_tflops=0.87 * bf16_rate))
+        for impl in impls:
+            check(dense_mla_decode(qd[:2], cache, table[:2], lens[:2], SCALE, backend=impl),
+                  dense_mla_decode_reference(qd[:2], cache, table[:2], lens[:2], SCALE), f"dense decode {impl}")
+            timed_row(rows, timer, ceilings, lambda: dense_mla_decode(qd, cache, table, lens, SCALE, backend=impl),
+                      "dense_mla_decode", impl, dict(B=b, N=1, H=H, S=s, cache="bf16"), nbytes, flops, reps=10,
+                      target=TARGETS.get(("dense_mla_decode", b, s, "bf16")))
+        if s == 32768 and variants and "hopper" in impls:
+            fn = lambda: hopper.mla_attention_hopper(  # noqa: E731
+                qd.view(-1, D_L), cache, H, b, block_table=table, seq_lens=lens, n=1, h=H,
+                length=table.shape[1] * P, softmax_scale=SCALE, splits=2)
+            timed_row(rows, timer, ceilings, fn, "dense_mla_decode", "hopper splits=2",
+                      dict(B=b, N=1, H=H, S=s, cache="bf16"), nbytes, flops, reps=10)
         if s == 32768:
             t = timer(lambda: dense_mla_decode_reference(qd, cache, table, lens, SCALE), reps=3)
             add(rows, result_row("dense_mla_decode", "torch-reference", dict(B=b, N=1, H=H, S=s, cache="bf16"),
                                    t, ceilings, bytes_moved=nbytes, flops=flops, bound="bf16"))
     return rows
+
+
+def sweep(rows, timer, ceilings, q, cache, slots, t, fmt, nbytes, flops, impls) -> None:
+    """Variants of the sparse decode: the portable kernel's (BLOCK_N, stages), the Hopper kernel's split
+    count."""
+    shape = dict(B=t, N=1, H=H, K=K, cache=fmt)
+    for bn, stages in SWEEP[fmt]:
+        fn = lambda: mla_attention_triton(q.view(-1, D_L), cache, H, t, slots=slots,  # noqa: E731
+                                          length=K, softmax_scale=SCALE, block_n=bn, num_stages=stages)
+        try:
+            fn()
+        except Exception as exc:  # a config that does not fit (registers, shared memory)
+            print(f"sparse decode {fmt} BLOCK_N={bn} stages={stages}: {type(exc).__name__} {exc}"[:300])
+            continue
+        timed_row(rows, timer, ceilings, fn, "sparse_mla_decode", f"triton BLOCK_N={bn} stages={stages}", shape,
+                  nbytes, flops)
+    if "hopper" in impls:  # 2 or 4 programs per SM instead of one
+        for splits in (2, 4):
+            fn = lambda: hopper.mla_attention_hopper(q.view(-1, D_L), cache, H, t, slots=slots,  # noqa: E731
+                                                     length=K, softmax_scale=SCALE, splits=splits)
+            timed_row(rows, timer, ceilings, fn, "sparse_mla_decode", f"hopper splits={splits}", shape, nbytes,
+                      flops)
