@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
-# What one H200 session runs (device machine, repo root): install, every GPU test, then the benchmarks,
-# the GPU demo and a recall run, results under $OUT. Usage: bash benchmarks/run_h200.sh <git-sha> [part]
-#   part "a": GPU tests + bench mla + bench layer;  part "b": bench crossover + demo + recall at 32K
+# What one H200 session runs (device machine, repo root): install, then the parts asked for, results
+# and logs under $OUT (default benchmarks/results).
+# Usage: bash benchmarks/run_h200.sh <git-sha> [parts]
+#   t: every GPU test          p: bench prefix     l: bench layer     e: bench engine
+#   d: the GPU demo            m: bench mla        k: bench topk + bench indexer
+# Default parts: tpld. Install with `python -m pip` (a bare `pip` there belongs to another Python).
 set -uo pipefail
 SHA=$1
-PART=${2:-ab}
+PARTS=${2:-tpld}
 OUT=${OUT:-benchmarks/results}
 export PYTHONUNBUFFERED=1
 python -m pip install --no-build-isolation --no-deps -q -e . 2>&1 | grep -v WARNING
-if [[ $PART == *a* ]]; then
-  python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -60 > "$OUT/gpu-tests.log"; tail -15 "$OUT/gpu-tests.log"
-  python -m dsa bench mla --out "$OUT" --git-sha "$SHA" --reps 20
-  python -m dsa bench layer --out "$OUT" --git-sha "$SHA" --reps 20
-fi
-if [[ $PART == *b* ]]; then
-  python -m dsa bench crossover --out "$OUT" --git-sha "$SHA" --reps 10
-  python -m dsa demo --json "$OUT/demo-h200.json" 2>&1 | grep -v "demo:"
-  python -m dsa recall --preset demo-gpu --context 32768 --queries 32 --out /tmp/recall && cp /tmp/recall/recall.json "$OUT/recall-demo-gpu-32k.json"
-fi
-if [[ $PART == *c* ]]; then  # a re-run of named GPU tests: bash benchmarks/run_h200.sh SHA c "tests/x.py::t ..."
-  python -m pytest -q -p no:cacheprovider ${3} 2>&1 | tail -30
-fi
+bench() { python -m dsa bench "$1" --out "$OUT" --git-sha "$SHA" --reps "${2:-20}" 2>&1 | tee "$OUT/$1.log" | grep -v "^ "; }
+[[ $PARTS == *t* ]] && { python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -80 > "$OUT/gpu-tests.log"; tail -25 "$OUT/gpu-tests.log"; }
+[[ $PARTS == *p* ]] && bench prefix
+[[ $PARTS == *l* ]] && bench layer
+[[ $PARTS == *e* ]] && bench engine
+[[ $PARTS == *m* ]] && bench mla
+[[ $PARTS == *k* ]] && { bench topk; bench indexer; }
+[[ $PARTS == *d* ]] && python -m dsa demo --json "$OUT/demo-h200.json" 2>&1 | grep -v "demo:"
+exit 0
