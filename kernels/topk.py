@@ -10,6 +10,8 @@ width, padding, ``starts`` and batch composition:
 So a row's selection is a function of that row's valid window alone: it does not change with how
 far the row is padded, with the other rows of the batch, or with the device.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -58,68 +60,144 @@ def topk_indices_reference(logits, lengths, k, starts=None):
     return torch.where(slot[None, :] < length[:, None], positions, -1).to(torch.int32)
 
 
-# ---------------------------------------------------------------- Triton: exact radix select
+# ---------------------------------------------------------------- Triton: guess, verify, refine
 #
-# Keys: fp32 bits mapped to int32 whose bits, read as unsigned, order like ``_order_key`` (NaN by
-# its bits). The k-th largest key T of a row is found one 8-bit digit at a time (4 digits). Each row
-# is split into C chunks of CHUNK columns, one program per (row, chunk), one launch per pass:
+# One launch (and a memset of the row counters). Keys: ``_key`` of the fp32 bits, an int32 whose
+# signed order is ``_order_key``'s (NaN by its bits). A row of ``n > k`` columns is cut into C
+# chunks, one program each:
 #
-#   pass 0  histogram of digit 0 over the chunk
-#   pass 1  histogram of digit 1 over the chunk's columns whose digit 0 is the row's threshold digit
-#   pass 2  columns above the row's 16-bit threshold prefix go straight to the output; columns equal
-#           to it (the candidates) are compacted, stable, into the row's candidate list. The last
-#           program of the row to finish (an atomic ticket, no waiting) then finds digits 2 and 3
-#           over the candidates alone and writes those above T, then the first (by column) equal to T.
+#   guess   every program of the row reads the same sample (SAMPLE columns spread over the window)
+#           and takes from it a key ``lo`` that, very likely, at least k columns of the row reach,
+#           and a bin width ``2**shift`` that cuts the sample's band around the k-th value into
+#           ~64 bins (``bin = min((key - lo) >> shift, 255)``);
+#   verify  it appends its chunk's columns with ``key >= lo`` (the candidates, as
+#           ``key << 32 | column``, in column order) to its region of the row's candidate buffer
+#           (a region holds a whole chunk: nothing can overflow), and adds their bin histogram
+#           into the row's total;
+#   refine  the row's last program to finish (an atomic ticket, no waiting) reads the total. If at
+#           least k candidates exist, the k-th value lies in the bin b found from the top: the
+#           candidates above b are written out, those in b are listed (in column order, over the
+#           regions already read) and their k-th value is found digit by digit on the bits below
+#           the bin; then those above it are written and the first ones equal to it. If fewer than k
+#           columns reached ``lo`` (a wrong guess: data built against the sample), the same program
+#           lists the whole row and selects from it the same way: slower, equally exact.
 #
-# Passes 0 and 1 write each chunk's suffix counts (``suf[r, pass, c, d]``: columns with digit >= d)
-# and add their histograms into the row's totals (``hist[r, pass, :]``, atomics on zeroed int32).
-# Later programs derive the threshold digits from the totals and their output and list offsets from
-# the suffix counts of earlier chunks, so the output is deterministic (no atomic offsets) and every
-# column equal to T has a place: the candidate list has room for the whole row, nothing is dropped.
-# Rows with length <= k are written densely by pass 0 and skipped by the others.
+# Ties at the k-th value go to the first entries of the list, which is in column order; every
+# offset comes from counts summed in a fixed order, so the output is deterministic. The scan reads
+# each column once and does a compare and a prefix sum; histograms (``tl.histogram`` lowers to
+# warp ballots, ~2 instructions per column) only ever see the sample and the candidates.
 
-_BLOCK = 2048  # columns per loop step: 8 warps x 32 threads x 8 fp32 (two 16-byte loads each)
+_BLOCK = 2048  # scan: columns per step (8 warps x 32 threads x 8 fp32)
 _NUM_WARPS = 8
-_PROGRAMS = 512  # programs per pass the row split aims at: ~4 per H200 SM, enough bytes in flight
-_CHUNK_STEP = 64  # earlier chunks summed per step
+_PROGRAMS = 264  # programs per launch the row split aims at (2 per H200 SM)
+_MIN_CHUNK = 4096  # columns per program at least: every program pays for the same guess
+_SAMPLE = 1024  # sample columns per row, read in runs of _SEG
+_SEG = 4
+_Z = 5.0  # guess margin, in standard deviations of the sample count above the k-th value
+_HBLOCK = 512  # candidates per histogram step of a program's own region
+_SBLOCK = 512  # lists up to this length are refined in registers
+_LBLOCK = 1024  # refine: entries per step
+_INT_MIN = tl.constexpr(-2147483648)  # the lowest key
 
 
 @triton.jit
-def _radix_key(x):
-    """fp32 -> int32 whose bits, as unsigned, order like the floats (``_order_key`` with the sign flipped)."""
+def _key(x):
+    """fp32 -> int32 whose signed order is ``_order_key``'s (NaN by its bits)."""
     bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits ^ -2147483648, bits ^ -1)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
 @triton.jit
 def _pick_digit(h, rem):
-    """Threshold digit of one pass from a row's histogram ``h [256]`` of the remaining candidates.
+    """Digit of the ``rem``-th largest entry from a histogram ``h [256]`` of the entries left.
 
-    Returns ``(d, rem')``: the digit of the ``rem``-th largest candidate and how many of the k best
-    are still to be found among candidates with digit ``d`` (``rem`` minus those with digit > d).
+    Returns ``(d, rem')``: that entry's digit and how many of those still to be found have digit
+    ``d`` (``rem`` minus the entries with a digit above ``d``).
     """
     bins = tl.arange(0, 256)
-    at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # [256] candidates with digit >= bin
+    at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # [256] entries with digit >= bin
     d = tl.minimum(tl.maximum(tl.sum((at_least >= rem).to(tl.int32), 0) - 1, 0), 255)
     return d, rem - tl.sum(tl.where(bins > d, h, 0), 0)
 
 
 @triton.jit
-def _earlier(suf_ptr, c, d, STEP: tl.constexpr):
-    """Sum over chunks ``c' < c`` of ``suf[c', d]`` (``suf`` row-major ``[C, 256]``; 0 when d == 256)."""
-    acc = tl.zeros([STEP], tl.int32)
-    for c0 in range(0, c, STEP):
-        cc = c0 + tl.arange(0, STEP)
-        acc += tl.load(suf_ptr + cc * 256 + d, mask=cc < tl.where(d < 256, c, 0), other=0)
-    return tl.sum(acc, 0)
+def _guess_from_sample(u, n, k, SAMPLE: tl.constexpr, Z: tl.constexpr):
+    """``(lo, shift)`` from a sample's keys ``u [SAMPLE]`` (``_key ^ INT_MIN``: bits in unsigned
+    order) of a row of ``n`` columns: ``lo`` the 16-bit prefix floor of the sample's
+    ``m + Z sqrt(m) + 2``-th largest (``m = k * SAMPLE / n``, the sample's expected count at or above
+    the row's k-th value), or INT_MIN when that exceeds the sample; ``shift`` such that the sample's
+    band down from its ``m - Z sqrt(m)``-th largest to ``lo`` spans fewer than 64 bins."""
+    m = k * 1.0 * SAMPLE / n.to(tl.float32)  # k * 1.0: k may arrive as a constexpr (Triton specializes 1)
+    spread = Z * tl.sqrt(m)
+    m_lo = (m + spread).to(tl.int32) + 2
+    m_hi = tl.maximum((m - spread).to(tl.int32), 1)
+    top = (u >> 24) & 255
+    mid = (u >> 16) & 255
+    h = tl.histogram(top, 256)
+    a_lo, r_lo = _pick_digit(h, tl.minimum(m_lo, SAMPLE))
+    a_hi, r_hi = _pick_digit(h, m_hi)
+    h_lo = tl.histogram(mid, 256, mask=top == a_lo)
+    b_lo, _r = _pick_digit(h_lo, r_lo)
+    h_hi = h_lo
+    if a_hi != a_lo:
+        h_hi = tl.histogram(mid, 256, mask=top == a_hi)
+    b_hi, _r = _pick_digit(h_hi, r_hi)
+    lo = ((a_lo << 24) | (b_lo << 16)) ^ _INT_MIN
+    lo = tl.where(m_lo > SAMPLE, _INT_MIN, lo)
+    hi = ((a_hi << 24) | (b_hi << 16) | 65535) ^ _INT_MIN
+    span = (hi.to(tl.int64) - lo.to(tl.int64)).to(tl.float32)  # >= 0; its exponent: floor(log2)
+    shift = tl.maximum((span.to(tl.int32, bitcast=True) >> 23) - 127 - 5, 0)
+    return lo, shift
 
 
 @triton.jit
-def _save_hist(hist_ptr, suf_ptr, h):
-    """This chunk's suffix counts to ``suf_ptr [256]``; its histogram added into the row total."""
-    bins = tl.arange(0, 256)
-    tl.store(suf_ptr + bins, tl.sum(h, 0) - tl.cumsum(h, 0) + h)
-    tl.atomic_add(hist_ptr + bins, h, sem="relaxed")
+def _guess(row_l, n, k, SAMPLE: tl.constexpr, SEG: tl.constexpr, Z: tl.constexpr):
+    """``(lo, shift)`` of a logits row of ``n`` columns at ``row_l`` (see ``_guess_from_sample``)."""
+    i = tl.arange(0, SAMPLE)
+    pos = tl.minimum((i // SEG).to(tl.int64) * n // (SAMPLE // SEG) + i % SEG, n - 1)
+    u = _key(tl.load(row_l + pos)) ^ _INT_MIN
+    return _guess_from_sample(u, n, k, SAMPLE, Z)
+
+
+@triton.jit
+def _bins(key, lo, shift):
+    return tl.minimum((key.to(tl.int64) - lo) >> shift, 255).to(tl.int32)
+
+
+@triton.jit
+def _append(region, cnt, key, pos, sel):
+    """Append the selected ``(key, column)`` pairs, in order, at ``region[cnt:]``; the new count."""
+    rank = tl.cumsum(sel.to(tl.int32), 0)
+    tl.store(region + cnt + rank - 1, (key.to(tl.int64) << 32) | pos.to(tl.int64), mask=sel)
+    return cnt + tl.sum(sel.to(tl.int32), 0)
+
+
+@triton.jit
+def _scan(row_l, col_lo, col_hi, lo, region, BLOCK: tl.constexpr):
+    """Append the columns ``[col_lo, col_hi)`` with ``key >= lo`` to ``region``; their count. The
+    next step's load is issued before this step's work (two steps of bytes in flight)."""
+    pos = col_lo + tl.arange(0, BLOCK)
+    x = tl.load(row_l + pos, mask=pos < col_hi, other=0.0)
+    cnt = 0
+    for _j in range(col_lo, col_hi, BLOCK):
+        pos_next = pos + BLOCK
+        x_next = tl.load(row_l + pos_next, mask=pos_next < col_hi, other=0.0)
+        key = _key(x)
+        cnt = _append(region, cnt, key, pos, (pos < col_hi) & (key >= lo))
+        pos, x = pos_next, x_next
+    return cnt
+
+
+@triton.jit
+def _region_hist(region, cnt, lo, shift, HBLOCK: tl.constexpr):
+    """Bin histogram of the ``cnt`` entries of ``region`` (written by this program)."""
+    idx = tl.arange(0, HBLOCK)
+    h = tl.zeros([256], tl.int32)
+    for j in range(0, cnt, HBLOCK):
+        m = j + idx < cnt
+        e = tl.load(region + j + idx, mask=m, other=0, cache_modifier=".cg")  # written by the CTA's other threads
+        h += tl.histogram(_bins((e >> 32).to(tl.int32), lo, shift), 256, mask=m)
+    return h
 
 
 @triton.jit
@@ -135,61 +213,160 @@ def _store_positions(out_row, idx, pos, mask, bt_row, seq_len, MB, P, SLOTS: tl.
 
 
 @triton.jit
-def _candidate_keys(cand_row, row_l, j, n, cols):
-    """Positions and keys of candidates ``j + cols`` of the row's list (written by other programs of
-    this launch: read through L2)."""
-    m = j + cols < n
-    pos = tl.load(cand_row + j + cols, mask=m, other=0, cache_modifier=".cg")
-    return m, pos, _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
+def _cumsum_2d(x):
+    """Inclusive prefix sum of ``x [A, W]`` in row-major order."""
+    rows = tl.sum(x, 1)
+    return tl.cumsum(x, 1) + (tl.cumsum(rows, 0) - rows)[:, None]
 
 
 @triton.jit
-def _finish_row(cand_row, row_l, n, k, rem1, out_row, bt_row, seq_len, MB, P,
-                SLOTS: tl.constexpr, BLOCK: tl.constexpr):
-    """The row's ``n`` candidates share the threshold's 16-bit prefix and ``rem1`` of them are among
-    the k best: find digits 2 and 3 of T, then write those above T at ``k - rem1 ...`` and the first
-    ones equal to T (list order = column order) at the end of the row."""
-    cols = tl.arange(0, BLOCK)
-    h = tl.zeros([256], tl.int32)
-    for j in range(0, n, BLOCK):
-        m, pos, key = _candidate_keys(cand_row, row_l, j, n, cols)
-        h += tl.histogram((key >> 8) & 255, 256, mask=m)
-    d2, rem2 = _pick_digit(h, rem1)
-    h = tl.zeros([256], tl.int32)
-    for j in range(0, n, BLOCK):
-        m, pos, key = _candidate_keys(cand_row, row_l, j, n, cols)
-        h += tl.histogram(key & 255, 256, mask=m & (((key >> 8) & 255) == d2))
-    d3, rem3 = _pick_digit(h, rem2)
-    low = d2 * 256 + d3  # T's low 16 bits
-    n_gt = k - rem1
+def _sweep_tile(e, m, lo, shift, b, n_gt, n_eq, cand_row, out_row, bt_row, seq_len, MB, P, SLOTS: tl.constexpr):
+    """One tile ``e [A, W]`` of candidates (row-major = column order): bins above ``b`` to the
+    output at ``n_gt...``, bin ``b`` to the list at ``cand_row[n_eq...]``."""
+    key = (e >> 32).to(tl.int32)
+    bn = _bins(key, lo, shift)
+    gt = m & (bn > b)
+    eq = m & (bn == b)
+    both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # two counts, 16 bits each
+    rank = _cumsum_2d(both)
+    tl.debug_barrier()  # the whole tile is read before the list overwrites any of it
+    _store_positions(out_row, n_gt + (rank & 65535) - 1, e.to(tl.int32), gt, bt_row, seq_len, MB, P, SLOTS)
+    tl.store(cand_row + n_eq + (rank >> 16) - 1, e, mask=eq)
+    total = tl.sum(tl.sum(both, 1), 0)
+    return n_gt + (total & 65535), n_eq + (total >> 16)
+
+
+@triton.jit
+def _sweep(cand_row, cnt_r, C, CAP, lo, shift, b, out_row, bt_row, seq_len, MB, P,
+           SLOTS: tl.constexpr, LBLOCK: tl.constexpr, W: tl.constexpr):
+    """Read the C regions in order: candidates above bin ``b`` go to the output, those in ``b`` to a
+    list at the front of the buffer, in column order (an entry is listed at an index below the
+    number read so far, so never over one not yet read). Returns the list's length."""
+    CB: tl.constexpr = LBLOCK // W
+    regions = tl.arange(0, CB)
+    cols = tl.arange(0, W)
+    idx = tl.arange(0, LBLOCK)
+    n_gt = 0
     n_eq = 0
-    for j in range(0, n, BLOCK):
-        m, pos, key = _candidate_keys(cand_row, row_l, j, n, cols)
-        bottom = key & 65535
-        gt = m & (bottom > low)
-        eq = m & (bottom == low)
-        ranks = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)  # two counts, 16 bits each
-        eq_rank = n_eq + (ranks >> 16) - 1
-        _store_positions(out_row, n_gt + (ranks & 65535) - 1, pos, gt, bt_row, seq_len, MB, P, SLOTS)
-        _store_positions(out_row, k - rem3 + eq_rank, pos, eq & (eq_rank < rem3), bt_row, seq_len, MB, P, SLOTS)
-        counts = tl.max(ranks, 0)
-        n_gt += counts & 65535
-        n_eq += counts >> 16
+    for c0 in range(0, C, CB):
+        c = c0 + regions
+        cnt = tl.load(cnt_r + c, mask=c < C, other=0, cache_modifier=".cg")
+        if tl.max(cnt, 0) <= W:  # CB whole regions in one tile
+            m = cols[None, :] < cnt[:, None]
+            e = tl.load(cand_row + (c * CAP)[:, None] + cols[None, :], mask=m, other=0, cache_modifier=".cg")
+            n_gt, n_eq = _sweep_tile(e, m, lo, shift, b, n_gt, n_eq, cand_row, out_row, bt_row, seq_len, MB, P,
+                                     SLOTS)
+        else:
+            for ci in range(c0, tl.minimum(c0 + CB, C)):
+                n_c = tl.load(cnt_r + ci, cache_modifier=".cg")
+                for j in range(0, n_c, LBLOCK):
+                    m = j + idx < n_c
+                    e = tl.load(cand_row + ci * CAP + j + idx, mask=m, other=0, cache_modifier=".cg")
+                    n_gt, n_eq = _sweep_tile(e[None, :], m[None, :], lo, shift, b, n_gt, n_eq, cand_row, out_row,
+                                             bt_row, seq_len, MB, P, SLOTS)
+    return n_eq
 
 
 @triton.jit
-def _topk_pass_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_o,
-                      hist_ptr, ticket_ptr, suf_ptr, cand_ptr,
-                      bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P,
-                      L, k, C, CHUNK,
-                      PASS: tl.constexpr, HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr,
-                      BLOCK: tl.constexpr, STEP: tl.constexpr):
+def _digit(v, hi_bit, lo_bit):
+    return ((v >> lo_bit) & ((1 << (hi_bit - lo_bit)) - 1)).to(tl.int32)
+
+
+@triton.jit
+def _write_block(out_row, out_base, need, rem, e, v, m, t, n_gt, n_eq, bt_row, seq_len, MB, P, SLOTS: tl.constexpr):
+    """Entries of one block above ``t`` at ``out_base + n_gt...``; the first ``rem`` equal to it
+    (over all blocks, in order) at the end of the ``need``."""
+    gt = m & (v > t)
+    eq = m & (v == t)
+    ranks = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)  # two counts, 16 bits each
+    eq_rank = n_eq + (ranks >> 16) - 1
+    pos = e.to(tl.int32)
+    _store_positions(out_row, out_base + n_gt + (ranks & 65535) - 1, pos, gt, bt_row, seq_len, MB, P, SLOTS)
+    _store_positions(out_row, out_base + need - rem + eq_rank, pos, eq & (eq_rank < rem), bt_row, seq_len, MB, P,
+                     SLOTS)
+    counts = tl.max(ranks, 0)
+    return n_gt + (counts & 65535), n_eq + (counts >> 16)
+
+
+@triton.jit
+def _select(lst, n, need, out_base, base, top, prefix, out_row, bt_row, seq_len, MB, P,
+            SLOTS: tl.constexpr, SBLOCK: tl.constexpr, LBLOCK: tl.constexpr):
+    """Write the ``need`` best of the ``n`` list entries (``key << 32 | column``, in column order) at
+    ``out[out_base:]``. Values ``v = key - base`` in ``[0, 2**32)``, equal to ``prefix`` above bit
+    ``top``; the value ``t`` of the need-th best is found 8 bits at a time from bit ``top`` down."""
+    rem = need
+    hi_bit = top
+    if n <= SBLOCK:  # the list in registers
+        sidx = tl.arange(0, SBLOCK)
+        m = sidx < n
+        e = tl.load(lst + sidx, mask=m, other=0, cache_modifier=".cg")
+        v = (e >> 32) - base
+        while hi_bit > 0:
+            lo_bit = tl.maximum(hi_bit - 8, 0)
+            h = tl.histogram(_digit(v, hi_bit, lo_bit), 256, mask=m & ((v >> hi_bit) == prefix))
+            d, rem = _pick_digit(h, rem)
+            prefix = (prefix << (hi_bit - lo_bit)) | d
+            hi_bit = lo_bit
+        _write_block(out_row, out_base, need, rem, e, v, m, prefix, 0, 0, bt_row, seq_len, MB, P, SLOTS)
+    else:
+        idx = tl.arange(0, LBLOCK)
+        while hi_bit > 0:
+            lo_bit = tl.maximum(hi_bit - 8, 0)
+            h = tl.zeros([256], tl.int32)
+            for j in range(0, n, LBLOCK):
+                m = j + idx < n
+                v = (tl.load(lst + j + idx, mask=m, other=0, cache_modifier=".cg") >> 32) - base
+                h += tl.histogram(_digit(v, hi_bit, lo_bit), 256, mask=m & ((v >> hi_bit) == prefix))
+            d, rem = _pick_digit(h, rem)
+            prefix = (prefix << (hi_bit - lo_bit)) | d
+            hi_bit = lo_bit
+        n_gt = 0
+        n_eq = 0
+        for j in range(0, n, LBLOCK):
+            m = j + idx < n
+            e = tl.load(lst + j + idx, mask=m, other=0, cache_modifier=".cg")
+            n_gt, n_eq = _write_block(out_row, out_base, need, rem, e, (e >> 32) - base, m, prefix, n_gt, n_eq,
+                                      bt_row, seq_len, MB, P, SLOTS)
+
+
+@triton.jit
+def _list_row(row_l, n, lst, BLOCK: tl.constexpr):
+    """List the whole window ``row_l[0:n]`` (the guess failed)."""
+    cols = tl.arange(0, BLOCK)
+    for j in range(0, n, BLOCK):
+        pos = j + cols
+        m = pos < n
+        key = _key(tl.load(row_l + pos, mask=m, other=0.0))
+        tl.store(lst + pos, (key.to(tl.int64) << 32) | pos.to(tl.int64), mask=m)
+
+
+@triton.jit
+def _refine(lst, n_list, ok, b, rem, k, lo, shift, out_row, bt_row, seq_len, MB, P,
+            SLOTS: tl.constexpr, SBLOCK: tl.constexpr, LBLOCK: tl.constexpr):
+    """Select from the list the candidates of bin ``b`` still needed (``ok``), or the k best of a
+    whole listed row (not ``ok``)."""
+    tl.debug_barrier()  # the list is written before it is read
+    in_bin = ok & (b < 255)  # the list shares the bits above `shift`
+    need = tl.where(ok, rem, k)
+    base = tl.where(ok, lo, _INT_MIN).to(tl.int64)
+    _select(lst, n_list, need, k - need, base, tl.where(in_bin, shift, 32), tl.where(in_bin, b, 0).to(tl.int64),
+            out_row, bt_row, seq_len, MB, P, SLOTS, SBLOCK, LBLOCK)
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_o,
+                 cand_ptr, stride_c, cnt_ptr, hist_ptr, ticket_ptr,
+                 bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P,
+                 L, k, C, CAP,
+                 HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
+                 SEG: tl.constexpr, Z: tl.constexpr, HBLOCK: tl.constexpr, SBLOCK: tl.constexpr,
+                 LBLOCK: tl.constexpr, W: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     start = 0
     if HAS_STARTS:
         start = tl.maximum(tl.load(starts_ptr + r), 0)  # negative starts count from 0 (as the reference)
-    length = tl.maximum(tl.minimum(tl.load(lengths_ptr + r), L - start), 0)
+    n = tl.maximum(tl.minimum(tl.load(lengths_ptr + r), L - start), 0)
     row_l = logits_ptr + r * stride_l + start  # column `pos` of the row's window at row_l + pos
     out_row = out_ptr + r * stride_o
     bt_row = bt_ptr
@@ -200,70 +377,42 @@ def _topk_pass_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, st
         req = tl.where(req_ok, req, 0)
         bt_row = bt_ptr + req * stride_bt
         seq_len = tl.load(seq_lens_ptr + req, mask=req_ok, other=0)
-    hist_r = hist_ptr + r * (2 * 256)  # [2, 256] row totals of passes 0 and 1
-    suf_r = suf_ptr + r * (2 * C * 256)  # [2, C, 256] suffix counts per pass and chunk
-    lo = c * CHUNK
-    hi = tl.minimum(lo + CHUNK, length)
-    cols = tl.arange(0, BLOCK)
-    h = tl.zeros([256], tl.int32)
-
-    if PASS == 0:
-        if length <= k:  # dense row: 0, 1, ..., length - 1, then -1
-            if c == 0:
-                for j in range(0, k, BLOCK):
-                    idx = j + cols
-                    _store_positions(out_row, idx, tl.where(idx < length, idx, -1), idx < k, bt_row, seq_len,
-                                     MB, P, SLOTS)
-        else:
-            for j in range(lo, hi, BLOCK):
-                pos = j + cols
-                m = pos < hi
-                key = _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
-                h += tl.histogram((key >> 24) & 255, 256, mask=m)
-            _save_hist(hist_r, suf_r + c * 256, h)
-    elif length > k:
-        bins = tl.arange(0, 256)
-        d0, rem0 = _pick_digit(tl.load(hist_r + bins), k)
-        if PASS == 1:
-            for j in range(lo, hi, BLOCK):
-                pos = j + cols
-                m = pos < hi
-                key = _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
-                h += tl.histogram((key >> 16) & 255, 256, mask=m & (((key >> 24) & 255) == d0))
-            _save_hist(hist_r + 256, suf_r + (C + c) * 256, h)
-        else:
-            d1, rem1 = _pick_digit(tl.load(hist_r + 256 + bins), rem0)
-            prefix = d0 * 256 + d1
-            suf1 = suf_r + C * 256
-            n_sel = _earlier(suf_r, c, d0 + 1, STEP) + _earlier(suf1, c, d1 + 1, STEP)  # columns above, earlier chunks
-            n_cand = _earlier(suf1, c, d1, STEP) - _earlier(suf1, c, d1 + 1, STEP)
-            cand_row = cand_ptr + r * L
-            for j in range(lo, hi, BLOCK):
-                pos = j + cols
-                m = pos < hi
-                key = _radix_key(tl.load(row_l + pos, mask=m, other=0.0))
-                top = (key >> 16) & 65535
-                sel = m & (top > prefix)
-                cand = m & (top == prefix)
-                ranks = tl.cumsum(sel.to(tl.int32) + (cand.to(tl.int32) << 16), 0)  # two counts, 16 bits each
-                _store_positions(out_row, n_sel + (ranks & 65535) - 1, pos, sel, bt_row, seq_len, MB, P, SLOTS)
-                tl.store(cand_row + n_cand + (ranks >> 16) - 1, pos, mask=cand)
-                counts = tl.max(ranks, 0)
-                n_sel += counts & 65535
-                n_cand += counts >> 16
-            tl.debug_barrier()  # every thread's list entries are written before the ticket releases them
-            if tl.atomic_add(ticket_ptr + r, 1, sem="acq_rel") == C - 1:  # the row's last program
-                n = tl.load(hist_r + 256 + d1)  # the row's candidates
-                _finish_row(cand_row, row_l, n, k, rem1, out_row, bt_row, seq_len, MB, P, SLOTS, BLOCK)
+    if n <= k:  # dense row: 0, 1, ..., n - 1, then -1
+        if c == 0:
+            cols = tl.arange(0, BLOCK)
+            for j in range(0, k, BLOCK):
+                idx = j + cols
+                _store_positions(out_row, idx, tl.where(idx < n, idx, -1), idx < k, bt_row, seq_len, MB, P, SLOTS)
+    else:
+        lo, shift = _guess(row_l, n, k, SAMPLE, SEG, Z)
+        chunk = ((n + C - 1) // C + 3) // 4 * 4  # <= CAP
+        region = cand_ptr + r * stride_c + c * CAP
+        cnt = _scan(row_l, c * chunk, tl.minimum(c * chunk + chunk, n), lo, region, BLOCK)
+        tl.debug_barrier()  # the region is written before this program reads it back
+        h = _region_hist(region, cnt, lo, shift, HBLOCK)
+        tl.atomic_add(hist_ptr + r * 256 + tl.arange(0, 256), h, sem="relaxed")
+        tl.store(cnt_ptr + r * C + c, cnt)
+        tl.debug_barrier()  # every thread's writes are done before the ticket releases them
+        if tl.atomic_add(ticket_ptr + r, 1, sem="acq_rel") == C - 1:  # the row's last program
+            cand_row = cand_ptr + r * stride_c
+            h = tl.load(hist_ptr + r * 256 + tl.arange(0, 256), cache_modifier=".cg")
+            ok = tl.sum(h, 0) >= k
+            b, rem = _pick_digit(h, k)
+            if ok:
+                n_list = _sweep(cand_row, cnt_ptr + r * C, C, CAP, lo, shift, b, out_row, bt_row, seq_len, MB, P,
+                                SLOTS, LBLOCK, W)
+            else:
+                _list_row(row_l, n, cand_row, BLOCK)
+                n_list = n
+            _refine(cand_row, n_list, ok, b, rem, k, lo, shift, out_row, bt_row, seq_len, MB, P, SLOTS, SBLOCK, LBLOCK)
 
 
-def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, programs=_PROGRAMS, num_warps=_NUM_WARPS,
-                 out=None):
-    """Launch the passes (one when ``L <= k``: every row is dense). ``slots``: ``(block_table,
-    row_to_req, seq_lens, block_size)`` to write slots; ``block``/``programs``/``num_warps``/``out``
-    for tests and tuning."""
+def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, programs=_PROGRAMS, min_chunk=_MIN_CHUNK,
+                 sample=_SAMPLE, num_warps=_NUM_WARPS, out=None, scratch=None):
+    """One launch. ``slots``: ``(block_table, row_to_req, seq_lens, block_size)`` to write slots;
+    ``block``/``programs``/``min_chunk``/``sample``/``num_warps``/``out`` for tests and tuning;
+    ``scratch``: a dict that receives the row histograms, region counts and tile width (tests)."""
     r, width = logits.shape
-    assert block < 65536  # per-step counts are packed 16 bits apiece
     if out is None:
         out = torch.empty((r, k), dtype=torch.int32, device=logits.device)
     if r == 0:
@@ -271,32 +420,34 @@ def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, progra
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     lengths = lengths.contiguous()
     starts_t = lengths if starts is None else starts.contiguous()
-    chunks = max(1, min(triton.cdiv(width, block), triton.cdiv(programs, r)))
-    chunk = triton.cdiv(triton.cdiv(max(width, 1), chunks), block) * block
-    chunks = max(1, triton.cdiv(width, chunk))
-    passes = 1 if width <= k else 3
+    chunks = max(1, min(triton.cdiv(width, min_chunk), triton.cdiv(programs, r))) if width > k else 1
+    cap = triton.cdiv(triton.cdiv(width, chunks), 4) * 4
     i32 = dict(dtype=torch.int32, device=logits.device)
-    if passes == 1:
-        hist = tickets = suf = cand = out  # never read: every row is dense
+    if width <= k:  # every row is dense: nothing else is read
+        hist = tickets = cnt = cand = out
     else:
-        zeroed = torch.zeros(r * (2 * 256 + 1), **i32)  # one memset: row totals (added atomically), tickets
-        hist, tickets = zeroed[:r * 512], zeroed[r * 512:]
-        suf = torch.empty((r, 2, chunks, 256), **i32)  # every entry written by its chunk's program
-        cand = torch.empty((r, width), **i32)  # candidate lists, room for whole rows
+        zeroed = torch.zeros(r * 257, **i32)  # one memset: row histograms (added atomically), tickets
+        hist, tickets = zeroed[:r * 256], zeroed[r * 256:]
+        cnt = torch.empty((r, chunks), **i32)  # every entry written by its program
+        cand = torch.empty((r, chunks * cap), dtype=torch.int64, device=logits.device)
+    # entries a region holds, about: k plus the guess margin, over the chunks (a larger region
+    # takes the slower per-region path of the sweep)
+    per_region = (k + _Z * math.sqrt(k * width / sample)) / chunks
+    w = min(_LBLOCK, triton.next_power_of_2(int(1.5 * per_region) + 16))
+    if scratch is not None:
+        scratch.update(hist=hist, counts=cnt, tile_width=w)
     if slots is None:
         bt, row_to_req, seq_lens, block_size = out, out, out, 1
     else:
         bt, row_to_req, seq_lens, block_size = slots
         bt, row_to_req, seq_lens = bt.contiguous(), row_to_req.contiguous(), seq_lens.contiguous()
-    grid = (r, chunks if passes > 1 else 1)
-    for p in range(passes):
-        _topk_pass_kernel[grid](
-            logits, logits.stride(0), lengths, starts_t, out, out.stride(0),
-            hist, tickets, suf, cand,
-            bt, bt.stride(0), row_to_req, seq_lens, bt.shape[0], bt.shape[1], block_size,
-            width, k, chunks, chunk,
-            PASS=p, HAS_STARTS=starts is not None, SLOTS=slots is not None,
-            BLOCK=block, STEP=_CHUNK_STEP, num_warps=num_warps)
+    _topk_kernel[(r, chunks)](
+        logits, logits.stride(0), lengths, starts_t, out, out.stride(0),
+        cand, cand.stride(0), cnt, hist, tickets,
+        bt, bt.stride(0), row_to_req, seq_lens, bt.shape[0], bt.shape[1], block_size,
+        width, k, chunks, cap,
+        HAS_STARTS=starts is not None, SLOTS=slots is not None, BLOCK=block, SAMPLE=sample, SEG=_SEG, Z=_Z,
+        HBLOCK=_HBLOCK, SBLOCK=_SBLOCK, LBLOCK=_LBLOCK, W=w, num_warps=num_warps)
     return out
 
 

@@ -11,7 +11,7 @@ from dsa import kernels as K
 from dsa.kernels.slots import positions_to_slots_reference
 from dsa.kernels.topk import _order_key, _topk_triton, topk_indices_reference
 
-SMALL = dict(block=64, programs=24)
+SMALL = dict(block=64, programs=24, min_chunk=64)
 POISON = -7  # never a valid output: rows must overwrite every element
 
 
@@ -188,3 +188,44 @@ def test_ties_go_to_the_lowest_positions():
     want = [list(range(10)) + list(range(50, 100)), list(range(60))]
     for out in (K.topk_indices_reference(logits, lengths, 60), _topk_triton(logits, lengths, 60, None, **SMALL)):
         assert [sorted(r) for r in out.tolist()] == want
+
+
+def _sampled_columns(n, sample, seg=4):
+    """The columns the Triton kernel's guess reads in a window of ``n`` (runs of ``seg`` spread evenly)."""
+    i = torch.arange(sample)
+    return torch.minimum((i // seg) * n // (sample // seg) + i % seg, torch.tensor(n - 1)).unique()
+
+
+def test_every_path_is_exact():
+    """Rows built against the guess reach each path of the kernel, and each stays exact: a sample
+    that overstates the row (fewer than k columns reach the guess: the whole row is listed, in
+    registers and in steps), a k-th value far above the sampled band (the clamped top bin), a
+    constant row (regions too full for one tile; a long list refined in steps), ordinary rows."""
+    g = torch.Generator().manual_seed(11)
+    width, k, sample = 601, 40, 16
+    rows, lengths = [], []
+    for n in (width, 300):  # the sample overstates the row
+        row = torch.randn(width, generator=g)
+        row[_sampled_columns(n, sample)] = 100 + torch.arange(len(_sampled_columns(n, sample))).float()
+        rows.append(row)
+        lengths.append(n)
+    far = 1 + torch.rand(width, generator=g) * 0.1  # 60 unsampled columns far above the sampled band
+    free = torch.ones(width, dtype=torch.bool)
+    free[_sampled_columns(width, sample)] = False
+    far[free.nonzero().flatten()[torch.randperm(int(free.sum()), generator=g)[:60]]] = 1e6 + torch.arange(60.0)
+    rows += [far, torch.full((width,), 3.0), torch.randn(width, generator=g), torch.arange(width).float()]
+    lengths += [width] * 4
+    logits, lengths = torch.stack(rows), torch.tensor(lengths, dtype=torch.int32)
+    scratch = {}
+    out = _topk_triton(logits, lengths, k, None, out=torch.full((len(rows), k), POISON, dtype=torch.int32),
+                       scratch=scratch, sample=sample, **SMALL)
+    check_topk(out, logits, lengths, k, ref=topk_indices_reference(logits, lengths, k))
+    hist, counts = scratch["hist"].view(len(rows), 256), scratch["counts"]
+    total = hist.sum(1)
+    at_least = total[:, None] - hist.cumsum(1) + hist
+    b = (at_least >= k).sum(1) - 1
+    listed = hist.gather(1, b.clamp_min(0)[:, None])[:, 0]
+    assert torch.all(total[:2] < k), "the baited rows must fail the guess"
+    assert b[2] == 255, "the far row's k-th value must lie in the clamped top bin"
+    assert counts[3].max() > scratch["tile_width"] and listed[3] > 512, "the constant row must take the slow paths"
+    assert torch.all(total[4:] >= k) and torch.all(b[4:] < 255), "ordinary rows take the fast path"

@@ -1,18 +1,19 @@
 """Triton top-k on a CUDA GPU at production shapes (marker ``gpu``).
 
-``k`` 2048 and 4096 over rows of 64K, 128K and 1M columns: adversarial rows (ties far beyond any
-bounded candidate buffer, 10-bit values, NaN/inf inside and past the length, -inf rows), lengths
-0, 1, k-1, k, k+1 and starts != 0, compared with the reference tie-aware; ``topk_slots`` equal to
-``positions_to_slots`` of the same selection; 20 runs bitwise equal; CUDA-graph capture and replay.
+``k`` 1, 64, 2048 and 4096 over rows of 64K, 128K and 1M columns: adversarial rows (ties far beyond
+any bounded candidate buffer, 10-bit values, NaN/inf inside and past the length, -inf rows, rows
+built against the kernel's sample), lengths 0, 1, k-1, k, k+1 and starts != 0, compared with the
+reference tie-aware; ``topk_slots`` equal to ``positions_to_slots`` of the same selection; 20 runs
+bitwise equal; CUDA-graph capture and replay; one Triton launch (and one memset) per call.
 """
 import pytest
 import torch
 
 from dsa import kernels as K
 from dsa.kernels.slots import positions_to_slots_reference
-from dsa.kernels.topk import topk_indices_reference
+from dsa.kernels.topk import _SAMPLE, _topk_triton, topk_indices_reference
 from dsa.testing import random_block_tables
-from test_topk_kernels import adversarial_rows, check_topk
+from test_topk_kernels import _sampled_columns, adversarial_rows, check_topk
 
 pytestmark = pytest.mark.gpu
 P = 64
@@ -44,7 +45,7 @@ def test_matches_reference_tie_aware(r, width, k):
     check_topk(out, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
 
 
-@pytest.mark.parametrize("k", [2048, 4096], ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("k", [1, 64, 2048, 4096], ids=lambda k: f"k{k}")
 def test_million_columns(k):
     g = torch.Generator().manual_seed(k)
     width = 1 << 20
@@ -112,3 +113,44 @@ def test_cuda_graph_capture_and_replay():
         pos = K.topk_indices(logits, lengths, k, starts)
         check_topk(pos, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
         assert torch.equal(out, positions_to_slots_reference(pos, table, row_to_req, seq_lens, P))
+
+
+@pytest.mark.parametrize("k", [1, 64, 2048, 4096], ids=lambda k: f"k{k}")
+def test_any_k(k):
+    logits, lengths, starts = _rows(32, 65536, k, seed=k)
+    out = K.topk_indices(logits, lengths, k, starts)
+    check_topk(out, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
+
+
+def test_rows_built_against_the_sample():
+    """The guess fails (the sampled columns hold the row's largest values), the k-th value lies far
+    above the sampled band, every column ties, the row ascends: each path stays exact."""
+    g = torch.Generator().manual_seed(3)
+    width, k = 65536, 2048
+    sampled = _sampled_columns(width, _SAMPLE)
+    bait = torch.randn(width, generator=g)
+    bait[sampled] = 100 + torch.arange(len(sampled)).float()
+    far = 1 + torch.rand(width, generator=g) * 0.1
+    free = torch.ones(width, dtype=torch.bool)
+    free[sampled] = False
+    far[free.nonzero().flatten()[torch.randperm(int(free.sum()), generator=g)[:3000]]] = 1e6 + torch.arange(3000.0)
+    logits = torch.stack((bait, far, torch.full((width,), 3.0), torch.arange(width).float())).cuda()
+    lengths = torch.full((4,), width, dtype=torch.int32, device="cuda")
+    scratch = {}
+    out = _topk_triton(logits, lengths, k, None, scratch=scratch)
+    check_topk(out, logits, lengths, k, ref=topk_indices_reference(logits, lengths, k))
+    hist = scratch["hist"].view(4, 256).cpu()
+    assert hist[0].sum() < k, "the baited row must fail the guess"
+    assert (hist[1].sum() - hist[1].cumsum(0) + hist[1] >= k).sum() - 1 == 255, "the far row must reach the top bin"
+
+
+def test_one_launch():
+    logits, lengths, starts = _rows(64, 65536, 2048, seed=1)
+    op = lambda: K.topk_indices(logits, lengths, 2048, starts)  # noqa: E731
+    op()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        op()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("_topk_kernel" in n for n in names) == 1 and len(names) <= 2, names  # the kernel and a memset

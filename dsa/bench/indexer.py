@@ -1,21 +1,23 @@
-"""``dsa bench indexer``: key write, query prep, paged decode logits, ragged prefill logits.
+"""``dsa bench indexer``: key write, query prep, paged decode logits, the decode indexer step
+(logits + top-k: fused, and as the unfused pair), ragged prefill logits.
 
 Each Triton row is checked against the torch reference on the same inputs before it is timed
 (logits: ``calc_diff < 1e-6`` over finite entries and identical ``-inf`` masks; key write and
-query prep: equal bytes). Targets (DESIGN section 9, from DeepGEMM on this H200) are recorded
-as ``target_us``.
+query prep: equal bytes; the fused step: the pair's slot sets). Decode rows are timed eagerly and
+replayed from a CUDA graph (``+graph``). Targets (issue #16, H200) are recorded as ``target_us``.
 """
 import torch
 
 from dsa.kernels import (indexer_key_write, indexer_key_write_reference, indexer_logits_paged,
                          indexer_logits_paged_reference, indexer_logits_ragged, indexer_logits_ragged_reference,
-                         indexer_query_prep, indexer_query_prep_reference)
+                         indexer_query_prep, indexer_query_prep_reference, indexer_topk_paged, topk_slots)
 from dsa.testing import calc_diff, random_block_tables
 
 from .harness import result_row
 
-HI, DI, P = 64, 128, 64
-PAGED_TARGET_US = {(64, 65536, 1): 145.0, (64, 131072, 1): 280.0}
+HI, DI, P, K = 64, 128, 64, 2048
+PAGED_TARGET_US = {(64, 65536, 1): 150.0, (64, 131072, 1): 290.0}
+FUSED_TARGET_US = {(64, 65536, 1): 165.0, (1, 131072, 1): 25.0}
 RAGGED_TARGET_TFLOPS = 1000.0
 
 
@@ -46,6 +48,20 @@ def paged_inputs(b: int, n: int, s: int, device, seed: int = 0):
     weights = torch.randn(b, n, HI, generator=g, device=device)
     seq_lens = torch.full((b,), s, dtype=torch.int32, device=device)
     return q8, weights, cache, table.to(device), seq_lens
+
+
+def decode_rows(lens: torch.Tensor, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lengths [B * N], row_to_req [B * N])`` int32 of the decode rows: row ``b * N + j`` sees
+    positions ``[0, S_b - N + j]``."""
+    j = torch.arange(n, device=lens.device)
+    lengths = (lens.long()[:, None] - n + 1 + j).clamp(0, width).view(-1).to(torch.int32)
+    return lengths, torch.arange(len(lens), dtype=torch.int32, device=lens.device).repeat_interleave(n)
+
+
+def check_same_slots(name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+    if not torch.equal(out.sort(dim=1).values, ref.sort(dim=1).values):
+        bad = (out.sort(dim=1).values != ref.sort(dim=1).values).any(dim=1).nonzero().flatten().tolist()
+        raise RuntimeError(f"{name}: rows {bad[:8]} select other slots than logits + topk_slots")
 
 
 def paged_cost(b: int, n: int, s: int) -> tuple[int, int]:
@@ -101,27 +117,43 @@ def bench_ragged(device, timer, ceilings, t: int, s: int) -> dict:
                       target_us=flops / (RAGGED_TARGET_TFLOPS * 1e6))
 
 
+def bench_paged(device, timer, ceilings, b: int, n: int, s: int) -> list:
+    """Paged logits (eager and graph), then the decode indexer step: fused and as the pair."""
+    rows = []
+    q8, w, cache, table, lens = paged_inputs(b, n, s, device)
+    out = indexer_logits_paged(q8, w, cache, table, lens, P, s)
+    check_logits("indexer_logits_paged", out, indexer_logits_paged_reference(q8, w, cache, table, lens, P, s))
+    nbytes, flops = paged_cost(b, n, s)
+    shape = dict(B=b, N=n, S=s, HI=HI)
+    cost = dict(bytes_moved=nbytes, flops=flops, bound="copy")
+    logits = lambda: indexer_logits_paged(q8, w, cache, table, lens, P, s)  # noqa: E731
+    target = PAGED_TARGET_US.get((b, s, n))
+    for impl, graph in (("triton", False), ("triton+graph", True)):
+        rows.append(result_row("indexer_logits_paged", impl, shape, timer(logits, graph=graph), ceilings, **cost,
+                               target_us=target if graph else None))
+    if (b, s, n) == (64, 65536, 1):
+        t = timer(lambda: indexer_logits_paged_reference(q8, w, cache, table, lens, P), reps=5)
+        rows.append(result_row("indexer_logits_paged", "torch-reference", shape, t, ceilings, **cost))
+    lengths, row_to_req = decode_rows(lens, n, s)
+    pair = lambda: topk_slots(logits(), lengths, K, table, row_to_req, lens, P)  # noqa: E731
+    fused = lambda: indexer_topk_paged(q8, w, cache, table, lens, P, K, s)  # noqa: E731
+    check_same_slots("indexer_topk_paged", fused(), pair())
+    step = dict(shape, k=K)
+    step_cost = dict(bytes_moved=nbytes - b * n * s * 4, flops=flops, bound="copy")  # the logits never written
+    rows.append(result_row("indexer_topk_paged", "triton+graph", step, timer(fused, graph=True), ceilings, **step_cost,
+                           target_us=FUSED_TARGET_US.get((b, s, n))))
+    rows.append(result_row("indexer_topk_paged", "logits+topk_slots+graph", step, timer(pair, graph=True), ceilings,
+                           **step_cost))
+    return rows
+
+
 def run(device, timer, ceilings, args) -> list:
     rows = []
     for t in ([8192] if args.quick else [64, 8192]):
         rows.append(bench_key_write(device, timer, ceilings, t))
         rows.append(bench_query_prep(device, timer, ceilings, t))
-    shapes = [(64, 65536)] if args.quick else [(b, s) for b in (1, 8, 64) for s in (8192, 32768, 65536, 131072)]
-    for b, s in shapes:
-        for n in (1, 2):
-            q8, w, cache, table, lens = paged_inputs(b, n, s, device)
-            out = indexer_logits_paged(q8, w, cache, table, lens, P, s)
-            check_logits("indexer_logits_paged", out, indexer_logits_paged_reference(q8, w, cache, table, lens, P, s))
-            del out
-            t = timer(lambda: indexer_logits_paged(q8, w, cache, table, lens, P, s))
-            nbytes, flops = paged_cost(b, n, s)
-            rows.append(result_row("indexer_logits_paged", "triton", dict(B=b, N=n, S=s, HI=HI), t, ceilings,
-                                   bytes_moved=nbytes, flops=flops, bound="copy",
-                                   target_us=PAGED_TARGET_US.get((b, s, n))))
-            if (b, s, n) == (64, 65536, 1):
-                t = timer(lambda: indexer_logits_paged_reference(q8, w, cache, table, lens, P), reps=5)
-                rows.append(result_row("indexer_logits_paged", "torch-reference", dict(B=b, N=n, S=s, HI=HI), t,
-                                       ceilings, bytes_moved=nbytes, flops=flops, bound="copy"))
-            del q8, w, cache, table, lens
+    shapes = [(64, 1, 65536)] if args.quick else [(1, 1, 131072), (64, 1, 65536), (64, 2, 65536), (64, 1, 131072)]
+    for b, n, s in shapes:
+        rows += bench_paged(device, timer, ceilings, b, n, s)
     rows.append(bench_ragged(device, timer, ceilings, 4096, 65536))
     return rows
