@@ -3,32 +3,52 @@
 Three small objects (as nano-vllm splits them): the :class:`~dsa.scheduler.Scheduler` (waiting and
 running requests, their blocks, which rows each step serves), the :class:`~dsa.runner.ModelRunner`
 (the caches; plans a step and runs it, replaying a CUDA graph for decode-only steps) and the
-sampling here. Sampling is greedy.
+:class:`~dsa.sampling.Sampler` (one batched operation over the step's logits, outside the graph).
+With a tokenizer, each request's text is detokenized incrementally and checked for stop strings
+(:mod:`dsa.output`).
 
 Batch invariance: every op a row goes through depends on that row alone (the top-k's tie rule
 gives the lowest positions at the k-th value, whatever the row's padding or batch; a decode row's
-kernel depends on the model, not on the batch), so in float32 a request's tokens are the same
-alone, in any batch, in any order and at any chunk size, up to floating-point near-ties of the
-projections (batched and single-row matmuls differ by ~1e-5).
+kernel depends on the model, not on the batch; the sampling noise is a hash of the request's seed
+and the token's position), so in float32 a request's tokens are the same alone, in any batch, in
+any order and at any chunk size, up to floating-point near-ties of the projections (batched and
+single-row matmuls differ by ~1e-5).
+
+Threads: one re-entrant lock (``engine.lock``) is held by ``add_request``, ``abort`` and ``step``.
+Any thread may call them; a thread inside ``stream`` or ``generate`` steps the engine for every
+request and takes its own requests' deltas from its own queue, so two threads generating on one
+engine each get their own tokens. (A server that must not wait on steps runs the engine in one
+loop thread fed by a queue instead: ``dsa serve``.)
 """
+import collections
 import itertools
+import random
+import threading
 
 import torch
 
 from .config import bytes_per_token
+from .output import Delta, TextOutput
 from .plan import PATHS
 from .runner import ModelRunner
+from .sampling import SamplingParams, Sampler
 from .scheduler import Request, Scheduler
 
 
 class Engine:
     """Batches requests over one pool of paged caches (``num_blocks`` blocks, or as many as
-    ``memory_bytes`` holds) and generates greedily; ``max_batch_tokens`` rows per step (long
-    prompts are prefilled in chunks). ``cuda_graphs``: replay decode-only steps from CUDA graphs
-    (None: whenever the model allows, i.e. on CUDA without MoE layers; False: always eager)."""
+    ``memory_bytes`` holds), ``max_batch_tokens`` rows per step (long prompts are prefilled in
+    chunks). ``cuda_graphs``: replay decode-only steps from CUDA graphs (None: whenever the model
+    allows, i.e. on CUDA without MoE layers; False: always eager). ``tokenizer``: makes deltas
+    carry text and enables stop strings; its EOS joins the config's ``eos_token_id``.
+
+    Requests: :meth:`add_request` (token ids + :class:`~dsa.sampling.SamplingParams`, or the
+    ``max_new_tokens`` shorthand: greedy), :meth:`abort`, :meth:`step`; :meth:`stream` and
+    :meth:`generate` add prompts and drive steps until they finish. Thread-safe (module docstring).
+    """
 
     def __init__(self, model, num_blocks: int | None = None, memory_bytes: int | None = None,
-                 max_batch_tokens: int = 8192, cuda_graphs: bool | None = None):
+                 max_batch_tokens: int = 8192, cuda_graphs: bool | None = None, tokenizer=None):
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("num_blocks / memory_bytes: give exactly one of them")
         if not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool) or max_batch_tokens < 1:
@@ -42,11 +62,18 @@ class Engine:
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens)
         self.runner = ModelRunner(model, num_blocks, cuda_graphs)
+        self.sampler = Sampler(c.vocab_size, model.device)
+        self.tokenizer = tokenizer
+        self.lock = threading.RLock()
         self._ids = itertools.count()
+        self._requests: dict = {}  # rid -> Request, waiting or running
+        self._seeds = random.SystemRandom()  # for requests without a seed
         eos = c.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos.add(tokenizer.eos_token_id)
         self.stats = {"rows": {p: 0 for p in PATHS}, "prefill_chunks": 0, "peak_workspace_bytes": 0,
-                      "blocks_in_use": 0, "steps": 0, "graph_steps": 0, "tokens": 0}
+                      "blocks_in_use": 0, "steps": 0, "graph_steps": 0, "tokens": 0, "generated_tokens": 0}
 
     # ---- state the tests and tools look at ------------------------------------------------
     @property
@@ -77,66 +104,168 @@ class Engine:
         return self.scheduler.has_work()
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, prompt_ids, max_new_tokens: int) -> int:
-        """Queue a prompt (token ids); returns its request id. Raises ValueError if it can never fit."""
+    def sampling_params(self, max_new_tokens: int | None = None, sampling: SamplingParams | None = None):
+        """``sampling``, or greedy ``SamplingParams(max_tokens=max_new_tokens, temperature=0)``;
+        both given must agree on the length."""
+        if sampling is None:
+            if max_new_tokens is None:
+                raise ValueError("max_new_tokens / sampling: give one of them")
+            if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
+            return SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling: expected dsa.SamplingParams, got {type(sampling).__name__}")
+        if max_new_tokens is not None and max_new_tokens != sampling.max_tokens:
+            raise ValueError(f"max_new_tokens: {max_new_tokens!r} disagrees with sampling.max_tokens "
+                             f"{sampling.max_tokens}; give the limit once")
+        return sampling
+
+    def add_request(self, prompt_ids, max_new_tokens: int | None = None, *, sampling: SamplingParams | None = None,
+                    on_output=None) -> int:
+        """Queue a prompt (token ids); returns its request id. Raises ValueError if it can never fit.
+
+        ``on_output(delta)``: called with each :class:`~dsa.output.Delta` of this request, under the
+        engine lock, by the thread that runs the step (keep it short: e.g. put it in a queue).
+        """
+        sp = self.sampling_params(max_new_tokens, sampling)
         prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
         if not prompt:
             raise ValueError("prompt_ids: expected at least one token")
-        if any(not 0 <= t < self.config.vocab_size for t in prompt):
-            raise ValueError(f"prompt_ids: token ids must be in [0, {self.config.vocab_size})")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
-        total = len(prompt) + max_new_tokens
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab})")
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer (Engine(..., tokenizer=...), or dsa.LLM)")
+        if any(t >= vocab for t in sp.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if sp.logprobs is not None and sp.logprobs > vocab:
+            raise ValueError(f"logprobs: at most the vocabulary size {vocab}, got {sp.logprobs}")
+        total = len(prompt) + sp.max_tokens
         if total > self.config.max_position_embeddings:
-            raise ValueError(f"prompt_ids: {len(prompt)} + max_new_tokens {max_new_tokens} = {total} tokens exceed "
+            raise ValueError(f"prompt_ids: {len(prompt)} + max_new_tokens {sp.max_tokens} = {total} tokens exceed "
                              f"max_position_embeddings {self.config.max_position_embeddings}")
         blocks = self.scheduler.blocks_for(total)
         if blocks > self.num_blocks:
             raise ValueError(f"prompt_ids: {total} tokens need {blocks} blocks; the engine holds "
                              f"{self.num_blocks} ({self.capacity_tokens} tokens)")
-        req = Request(next(self._ids), prompt, len(prompt), max_new_tokens)
-        self.scheduler.add(req)
+        text = None if self.tokenizer is None else TextOutput(self.tokenizer, prompt, sp.stop)
+        with self.lock:
+            seed = self._seeds.getrandbits(64) if sp.seed is None else sp.seed
+            req = Request(next(self._ids), prompt, len(prompt), sp.max_tokens, sampling=sp, seed=seed, text=text,
+                          on_output=on_output)
+            self.scheduler.add(req)
+            self._requests[req.rid] = req
         return req.rid
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a waiting or running request and free its blocks now; its reader gets a last delta
+        with ``finish_reason="abort"``. False when the request is unknown or already finished."""
+        with self.lock:
+            req = self._requests.pop(request_id, None)
+            if req is None:
+                return False
+            self.scheduler.remove(req)
+            self.stats["blocks_in_use"] = self.num_blocks - self.allocator.num_free
+            self._deliver(req, [], None, "abort")
+            return True
 
     def step(self) -> dict:
         """Run one batch; returns ``{request id: [tokens produced this step]}``."""
-        batch = self.scheduler.schedule()
-        if not batch:
-            return {}
-        result = self.runner.run(batch)
-        tokens = result.logits.argmax(-1).tolist()  # the step's one device-to-host copy
-        produced = {}
-        for (req, n), tok in zip(batch, tokens):
-            req.computed += n
-            if req.computed < len(req.tokens):
-                continue  # a prefill chunk that did not reach the end of the prompt
-            req.tokens.append(tok)
-            produced[req.rid] = [tok]
-            if len(req.generated) >= req.max_new_tokens or tok in self.eos:
-                self.scheduler.finish(req)
-        s = self.stats
-        for path, rows in result.rows.items():
-            s["rows"][path] += rows
-        s["prefill_chunks"] += sum(1 for r, n in batch if r.computed - n < r.prompt_len)
-        s["peak_workspace_bytes"] = max(s["peak_workspace_bytes"], result.workspace_bytes)
-        s["blocks_in_use"] = self.num_blocks - self.allocator.num_free
-        s["steps"] += 1
-        s["graph_steps"] += result.graph
-        s["tokens"] += sum(n for _, n in batch)
-        return produced
+        return self._step()[1]
 
-    def generate(self, prompts, max_new_tokens: int) -> list:
-        """Greedy completions (generated tokens only) of each prompt, in order."""
-        rids = [self.add_request(p, max_new_tokens) for p in prompts]
-        out = {rid: [] for rid in rids}
-        pending = set(rids)
-        while pending:
-            produced = self.step()
-            if not produced and not self.running:
-                raise RuntimeError("engine: requests are waiting but none can be scheduled")
-            for rid, toks in produced.items():
-                if rid in out:
-                    out[rid].extend(toks)
-            waiting = {r.rid for r in self.waiting}
-            pending = {r for r in pending if r in self.running or r in waiting}
-        return [out[r] for r in rids]
+    def _step(self) -> tuple:
+        """``(whether anything was scheduled, {request id: [tokens]})``."""
+        with self.lock:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return False, {}
+            result = self.runner.run(batch)
+            reqs = [r for r, _ in batch]
+            tokens, logprobs = self.sampler(result.logits, [r.sampling for r in reqs], [r.seed for r in reqs],
+                                            [len(r.tokens) for r in reqs])
+            produced = {}
+            for (req, n), tok, lp in zip(batch, tokens, logprobs):
+                req.computed += n
+                if req.computed < len(req.tokens):
+                    continue  # a prefill chunk that did not reach the end of the prompt
+                req.tokens.append(tok)
+                produced[req.rid] = [tok]
+                self._advance(req, tok, lp)
+            s = self.stats
+            for path, rows in result.rows.items():
+                s["rows"][path] += rows
+            s["prefill_chunks"] += sum(1 for r, n in batch if r.computed - n < r.prompt_len)
+            s["peak_workspace_bytes"] = max(s["peak_workspace_bytes"], result.workspace_bytes)
+            s["blocks_in_use"] = self.num_blocks - self.allocator.num_free
+            s["steps"] += 1
+            s["graph_steps"] += result.graph
+            s["tokens"] += sum(n for _, n in batch)
+            s["generated_tokens"] += len(produced)
+            return True, produced
+
+    def _advance(self, req: Request, tok: int, logprob) -> None:
+        """A request's new token: decide whether it finished, then tell its reader."""
+        sp = req.sampling
+        reason = None
+        if tok in sp.stop_token_ids or (tok in self.eos and not sp.ignore_eos):
+            reason = "stop"  # the stop token's text is not part of the output
+        elif req.text is not None and req.text.append(tok):
+            reason = "stop"  # a stop string: the text ends before it
+        elif len(req.generated) >= req.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(req)
+            del self._requests[req.rid]
+            if req.text is not None:
+                req.text.finish()
+        self._deliver(req, [tok], None if logprob is None else [logprob], reason)
+
+    def _deliver(self, req: Request, tokens: list, logprobs, reason) -> None:
+        req.finish_reason = reason
+        if req.on_output is not None:
+            text = None if req.text is None else req.text.release(final=reason is not None)
+            req.on_output(Delta(req.rid, tokens, text, reason, logprobs))
+
+    def stream(self, prompts, max_new_tokens: int | None = None, *, sampling=None):
+        """Add ``prompts`` (token id lists) and yield each request's :class:`~dsa.output.Delta` s as
+        steps produce them, until all finish; ``delta.index`` is the prompt's position in
+        ``prompts``. ``sampling``: one SamplingParams for all, or one per prompt (None: greedy with
+        ``max_new_tokens``). Leaving the loop early (break, an exception) aborts the unfinished
+        requests; so does an error while adding them."""
+        prompts = list(prompts)
+        samplings = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(samplings) != len(prompts):
+            raise ValueError(f"sampling: expected one per prompt ({len(prompts)}), got {len(samplings)}")
+        deltas = collections.deque()  # appended under the lock by whichever thread steps
+        index, live = {}, set()
+        try:
+            with self.lock:
+                for i, (p, sp) in enumerate(zip(prompts, samplings)):
+                    rid = self.add_request(p, max_new_tokens, sampling=sp, on_output=deltas.append)
+                    index[rid] = i
+                    live.add(rid)
+            while live:
+                while deltas:
+                    d = deltas.popleft()
+                    d.index = index[d.request_id]
+                    if d.finished:
+                        live.discard(d.request_id)
+                    yield d
+                if live:
+                    with self.lock:
+                        if not deltas and not self._step()[0] and not deltas:
+                            raise RuntimeError("engine: requests are waiting but none can be scheduled")
+        finally:
+            if live:
+                with self.lock:
+                    for rid in live:
+                        self.abort(rid)
+
+    def generate(self, prompts, max_new_tokens: int | None = None, *, sampling=None) -> list:
+        """Completions (generated token ids only) of each prompt, in order; greedy unless ``sampling``
+        says otherwise. A generate that raises leaves none of its requests behind."""
+        prompts = list(prompts)
+        out = [[] for _ in prompts]
+        for d in self.stream(prompts, max_new_tokens, sampling=sampling):
+            out[d.index].extend(d.token_ids)
+        return out

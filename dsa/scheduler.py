@@ -2,7 +2,9 @@
 
 A request reserves blocks for ``len(prompt) + max_new_tokens`` when it is admitted (no preemption,
 no deadlock); requests that do not fit yet wait in order. Each step serves every decoding request
-one token, then fills the rest of ``max_batch_tokens`` with prefill chunks, oldest first.
+one token, then fills the rest of ``max_batch_tokens`` with prefill chunks, oldest first. A request
+leaves by :meth:`Scheduler.finish` (running) or :meth:`Scheduler.remove` (running or waiting);
+either frees its blocks at once.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,6 +23,12 @@ class Request:
     blocks: list = field(default_factory=list)
     block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # blocks, for the step plan
     computed: int = 0  # tokens whose latent rows are in the caches
+    # what the engine needs to sample and report (the scheduler does not read these)
+    sampling: object = None  # SamplingParams
+    seed: int = 0  # the noise key of its sampled tokens
+    text: object = None  # TextOutput, when the engine has a tokenizer
+    on_output: object = None  # callable(Delta), called by whichever thread steps
+    finish_reason: str | None = None
 
     @property
     def generated(self) -> list:
@@ -76,3 +84,14 @@ class Scheduler:
         self.allocator.free(req.blocks)
         req.blocks, req.block_array = [], np.zeros(0, np.int32)
         del self.running[req.rid]
+
+    def remove(self, req: Request) -> bool:
+        """Take a request out wherever it is (running: its blocks are freed); False if it is in neither."""
+        if req.rid in self.running:
+            self.finish(req)
+            return True
+        try:
+            self.waiting.remove(req)
+        except ValueError:
+            return False
+        return True
