@@ -120,6 +120,31 @@ class Engine:
                              f"{sampling.max_tokens}; give the limit once")
         return sampling
 
+    def check_request(self, prompt_ids, sampling: SamplingParams) -> list:
+        """The prompt as a list of ints after the checks :meth:`add_request` makes (no state is
+        touched): ValueError when the request could never run, naming the limit."""
+        prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
+        if not prompt:
+            raise ValueError("prompt_ids: expected at least one token")
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab})")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer (Engine(..., tokenizer=...), or dsa.LLM)")
+        if any(t >= vocab for t in sampling.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if sampling.logprobs is not None and sampling.logprobs > vocab:
+            raise ValueError(f"logprobs: at most the vocabulary size {vocab}, got {sampling.logprobs}")
+        total = len(prompt) + sampling.max_tokens
+        if total > self.config.max_position_embeddings:
+            raise ValueError(f"prompt_ids: {len(prompt)} + max_new_tokens {sampling.max_tokens} = {total} tokens "
+                             f"exceed max_position_embeddings {self.config.max_position_embeddings}")
+        blocks = self.scheduler.blocks_for(total)
+        if blocks > self.num_blocks:
+            raise ValueError(f"prompt_ids: {total} tokens need {blocks} blocks; the engine holds "
+                             f"{self.num_blocks} ({self.capacity_tokens} tokens)")
+        return prompt
+
     def add_request(self, prompt_ids, max_new_tokens: int | None = None, *, sampling: SamplingParams | None = None,
                     on_output=None) -> int:
         """Queue a prompt (token ids); returns its request id. Raises ValueError if it can never fit.
@@ -128,26 +153,7 @@ class Engine:
         engine lock, by the thread that runs the step (keep it short: e.g. put it in a queue).
         """
         sp = self.sampling_params(max_new_tokens, sampling)
-        prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
-        if not prompt:
-            raise ValueError("prompt_ids: expected at least one token")
-        vocab = self.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab})")
-        if sp.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer (Engine(..., tokenizer=...), or dsa.LLM)")
-        if any(t >= vocab for t in sp.stop_token_ids):
-            raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
-        if sp.logprobs is not None and sp.logprobs > vocab:
-            raise ValueError(f"logprobs: at most the vocabulary size {vocab}, got {sp.logprobs}")
-        total = len(prompt) + sp.max_tokens
-        if total > self.config.max_position_embeddings:
-            raise ValueError(f"prompt_ids: {len(prompt)} + max_new_tokens {sp.max_tokens} = {total} tokens exceed "
-                             f"max_position_embeddings {self.config.max_position_embeddings}")
-        blocks = self.scheduler.blocks_for(total)
-        if blocks > self.num_blocks:
-            raise ValueError(f"prompt_ids: {total} tokens need {blocks} blocks; the engine holds "
-                             f"{self.num_blocks} ({self.capacity_tokens} tokens)")
+        prompt = self.check_request(prompt_ids, sp)
         text = None if self.tokenizer is None else TextOutput(self.tokenizer, prompt, sp.stop)
         with self.lock:
             seed = self._seeds.getrandbits(64) if sp.seed is None else sp.seed
