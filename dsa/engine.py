@@ -227,7 +227,6 @@ class Engine:
         self._deliver(req, [tok], None if logprob is None else [logprob], reason)
 
     def _deliver(self, req: Request, tokens: list, logprobs, reason) -> None:
-        req.finish_reason = reason
         if req.on_output is not None:
             text = None if req.text is None else req.text.release(final=reason is not None)
             req.on_output(Delta(req.rid, tokens, text, reason, logprobs))
@@ -259,7 +258,7 @@ class Engine:
                     yield d
                 if live:
                     with self.lock:
-                        if not deltas and not self._step()[0] and not deltas:
+                        if not deltas and not self._step()[0]:
                             raise RuntimeError("engine: requests are waiting but none can be scheduled")
         finally:
             if live:

@@ -54,20 +54,31 @@ class LLM:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if checkpoint is not None:
             dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-            self.model = DSAModel.from_pretrained(checkpoint, dtype=dtype, device=device)
+            model = DSAModel.from_pretrained(checkpoint, dtype=dtype, device=device)
         else:
-            self.model = default_model(device, dtype, seed)
+            model = default_model(device, dtype, seed)
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = Tokenizer.from_pretrained(tokenizer)
         elif tokenizer is None and checkpoint is None:
             tokenizer = ByteTokenizer()
         elif tokenizer is None and os.path.exists(os.path.join(os.fspath(checkpoint), "tokenizer.json")):
             tokenizer = Tokenizer.from_pretrained(checkpoint)
-        self.tokenizer = tokenizer
-        if "num_blocks" not in engine_options and "memory_bytes" not in engine_options:
-            engine_options.update(default_cache_blocks(self.model))
-        self.engine = Engine(self.model, tokenizer=tokenizer, **engine_options)
+        self._attach(model, tokenizer, engine_options)
         self.checkpoint = checkpoint
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, **engine_options) -> "LLM":
+        """An LLM over a model already built (e.g. ``DSAModel.random``) and a tokenizer object."""
+        llm = cls.__new__(cls)
+        llm._attach(model, tokenizer, engine_options)
+        llm.checkpoint = None
+        return llm
+
+    def _attach(self, model, tokenizer, engine_options: dict) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        if "num_blocks" not in engine_options and "memory_bytes" not in engine_options:
+            engine_options = {**engine_options, **default_cache_blocks(model)}
+        self.engine = Engine(model, tokenizer=tokenizer, **engine_options)
 
     def encode(self, prompt) -> list:
         """Token ids of a prompt: a string (through the tokenizer) or a list of token ids."""

@@ -27,8 +27,7 @@ class Request:
     sampling: object = None  # SamplingParams
     seed: int = 0  # the noise key of its sampled tokens
     text: object = None  # TextOutput, when the engine has a tokenizer
-    on_output: object = None  # callable(Delta), called by whichever thread steps
-    finish_reason: str | None = None
+    on_output: object = None  # callable(Delta), called by whichever thread steps; must not raise
 
     @property
     def generated(self) -> list:

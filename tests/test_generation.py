@@ -91,10 +91,7 @@ def test_stop_strings_end_the_text_and_streaming_equals_the_final_text(model):
 
 
 def _llm_on(model):
-    llm = dsa.LLM.__new__(dsa.LLM)  # the test's tiny model instead of a checkpoint
-    llm.model, llm.tokenizer, llm.checkpoint = model, ByteTokenizer(), None
-    llm.engine = engine_for(model)
-    return llm
+    return dsa.LLM.from_model(model, ByteTokenizer(), num_blocks=32)
 
 
 def test_stop_tokens_and_eos_finish_with_stop(model):
