@@ -16,7 +16,6 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -164,12 +163,6 @@ class _Server:
                 self.loop.abort(s)
 
 
-def _usage(subs, counts) -> dict:
-    prompt = sum(len(s.prompt_ids) for s in subs)
-    done = sum(counts)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
-
-
 async def _deltas(request: Request, subs: list, queue: asyncio.Queue, watch_disconnect: bool):
     """Each delta of ``subs`` as it arrives, until all finished. Raises APIError(500) when the
     engine failed a request; with ``watch_disconnect`` ends quietly when the client went away."""
@@ -275,7 +268,7 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
             ids = llm.chat_ids(messages)
         except (ChatTemplateError, ValueError) as e:
             raise APIError(400, str(e), "messages") from None
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(CHAT_DEFAULT_MAX_TOKENS, server.limit - len(ids)))
         if body.top_logprobs is not None and not body.logprobs:
@@ -317,87 +310,92 @@ def _logprobs_chat(server: _Server, lps: list) -> dict:
                         for lp in lps]}
 
 
+class _Call:
+    """One HTTP request's submissions and what its response is built from."""
+
+    def __init__(self, server: _Server, prompts: list, sampling: SamplingParams, body, chat: bool):
+        self.server, self.sampling, self.chat = server, sampling, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.t0 = time.perf_counter()
+        self.subs, self.queue = server.prepare(prompts, sampling)
+        self.counts = [0] * len(self.subs)  # completion tokens per choice
+        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
+        self.base = {"id": self.id, "object": "chat.completion" if chat else "text_completion",
+                     "created": int(time.time()), "model": server.model_name}
+
+    def usage(self) -> dict:
+        prompt, done = sum(len(s.prompt_ids) for s in self.subs), sum(self.counts)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    def logprobs(self, lps: list, offset: int = 0):
+        if self.sampling.logprobs is None:
+            return None
+        return _logprobs_chat(self.server, lps) if self.chat else _logprobs_completion(self.server, lps, offset)
+
+    def done(self, reasons: list) -> None:
+        log.info("%s prompt_tokens=%d completion_tokens=%d time=%.2fs finish=%s", self.id,
+                 self.usage()["prompt_tokens"], sum(self.counts), time.perf_counter() - self.t0, ",".join(reasons))
+
+
 async def _respond(request: Request, server: _Server, prompts: list, sampling: SamplingParams, body, chat: bool):
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    created, t0 = int(time.time()), time.perf_counter()
-    subs, queue = server.prepare(prompts, sampling)
-    counts = [0] * len(subs)
-    base = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": server.model_name}
-
-    def done(reasons):
-        log.info("%s prompt_tokens=%d completion_tokens=%d time=%.2fs finish=%s", rid,
-                 sum(len(s.prompt_ids) for s in subs), sum(counts), time.perf_counter() - t0, ",".join(reasons))
-
+    call = _Call(server, prompts, sampling, body, chat)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-
-        async def events():
-            offsets, reasons = [0] * len(subs), []
-            try:
-                server.start(subs)  # here, so a stream that never starts submits nothing
-                if chat:
-                    yield _sse({**base, "object": "chat.completion.chunk", "choices": [
-                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}]})
-                async for d in _deltas(request, subs, queue, watch_disconnect=False):
-                    counts[d.index] += len(d.token_ids)
-                    reason = _reason(d.finish_reason)
-                    if not d.text and reason is None and not d.logprobs:
-                        continue
-                    lp = None
-                    if d.logprobs:
-                        lp = _logprobs_chat(server, d.logprobs) if chat else \
-                            _logprobs_completion(server, d.logprobs, offsets[d.index])
-                    offsets[d.index] += len(d.text or "")
-                    if chat:
-                        delta = {"content": d.text} if d.text else {}
-                        choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
-                        yield _sse({**base, "object": "chat.completion.chunk", "choices": [choice]})
-                    else:
-                        yield _sse({**base, "choices": [{"index": d.index, "text": d.text or "", "logprobs": lp,
-                                                         "finish_reason": reason}]})
-                    if reason is not None:
-                        reasons.append(reason)
-                if include_usage:
-                    yield _sse({**base, "object": "chat.completion.chunk" if chat else "text_completion",
-                                "choices": [], "usage": _usage(subs, counts)})
-                yield "data: [DONE]\n\n"
-                done(reasons)
-            except APIError as e:
-                yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
-                yield "data: [DONE]\n\n"
-            finally:  # also when the client went away (the task is cancelled)
-                server.abort_unfinished(subs)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    texts = [""] * len(subs)
-    lps: list[list[Any]] = [[] for _ in subs]
-    reasons = [None] * len(subs)
-    server.start(subs)
+        return StreamingResponse(_events(request, call), media_type="text/event-stream")
+    texts, lps, reasons = [""] * len(prompts), [[] for _ in prompts], [None] * len(prompts)
+    server.start(call.subs)
     try:
-        async for d in _deltas(request, subs, queue, watch_disconnect=True):
-            counts[d.index] += len(d.token_ids)
+        async for d in _deltas(request, call.subs, call.queue, watch_disconnect=True):
+            call.counts[d.index] += len(d.token_ids)
             texts[d.index] += d.text or ""
             lps[d.index] += d.logprobs or []
             if d.finished:
                 reasons[d.index] = _reason(d.finish_reason)
     finally:
-        server.abort_unfinished(subs)
+        server.abort_unfinished(call.subs)
     if any(r is None for r in reasons):  # the client went away
         return Response(status_code=499)
-    done(reasons)
-    choices = []
-    for i, (text, reason) in enumerate(zip(texts, reasons)):
-        if chat:
-            lp = _logprobs_chat(server, lps[i]) if sampling.logprobs is not None else None
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                            "finish_reason": reason})
-        else:
-            lp = _logprobs_completion(server, lps[i], 0) if sampling.logprobs is not None else None
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
-    return {**base, "choices": choices, "usage": _usage(subs, counts)}
+    call.done(reasons)
+    if chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": call.logprobs(lp),
+                    "finish_reason": r} for i, (t, lp, r) in enumerate(zip(texts, lps, reasons))]
+    else:
+        choices = [{"index": i, "text": t, "logprobs": call.logprobs(lp), "finish_reason": r}
+                   for i, (t, lp, r) in enumerate(zip(texts, lps, reasons))]
+    return {**call.base, "choices": choices, "usage": call.usage()}
+
+
+async def _events(request: Request, call: _Call):
+    """The server-sent events of a streamed response, ending in ``data: [DONE]``."""
+    chunk = {**call.base, "object": "chat.completion.chunk"} if call.chat else call.base
+    offsets, reasons = [0] * len(call.subs), []
+    try:
+        call.server.start(call.subs)  # here, so a stream that never starts submits nothing
+        if call.chat:
+            yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]})
+        async for d in _deltas(request, call.subs, call.queue, watch_disconnect=False):
+            call.counts[d.index] += len(d.token_ids)
+            reason = _reason(d.finish_reason)
+            if not d.text and reason is None and not d.logprobs:
+                continue
+            lp = call.logprobs(d.logprobs or [], offsets[d.index])
+            offsets[d.index] += len(d.text or "")
+            if call.chat:
+                choice = {"index": d.index, "delta": {"content": d.text} if d.text else {}}
+            else:
+                choice = {"index": d.index, "text": d.text or ""}
+            yield _sse({**chunk, "choices": [{**choice, "logprobs": lp, "finish_reason": reason}]})
+            if reason is not None:
+                reasons.append(reason)
+        if call.include_usage:
+            yield _sse({**chunk, "choices": [], "usage": call.usage()})
+        yield "data: [DONE]\n\n"
+        call.done(reasons)
+    except APIError as e:
+        yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+        yield "data: [DONE]\n\n"
+    finally:  # also when the client went away (the task is cancelled)
+        call.server.abort_unfinished(call.subs)
 
 
 def _reason(finish_reason):

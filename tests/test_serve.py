@@ -201,6 +201,12 @@ def test_bad_chat_requests(server):
     r = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                             "max_completion_tokens": 0, "max_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                             "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     with pytest.raises(openai.NotFoundError):
         server.client().chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
 
