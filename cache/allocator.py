@@ -1,4 +1,5 @@
 """Block allocation for paged caches: one allocator shared by every layer of a model."""
+from dsa.kernels.common import check_int
 
 
 class CacheFullError(RuntimeError):
@@ -9,9 +10,7 @@ class BlockAllocator:
     """Hands out block ids ``0 .. num_blocks - 1``; lowest free ids first."""
 
     def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
-            raise ValueError(f"num_blocks: expected a non-negative int, got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        self.num_blocks = check_int("num_blocks", num_blocks, minimum=0)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives the lowest id
         self._used = set()
 
@@ -21,8 +20,7 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """``n`` block ids, or :class:`CacheFullError` with nothing changed."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"n: expected a non-negative int, got {n!r}")
+        n = check_int("n", n, minimum=0)
         if n > len(self._free):
             raise CacheFullError(f"asked for {n} blocks, {len(self._free)} of {self.num_blocks} are free")
         blocks = [self._free.pop() for _ in range(n)]

@@ -1,17 +1,16 @@
-"""Paged cache storage objects and the calls that write and read them through ``dsa.kernels``."""
+"""Paged cache storage objects and the calls that write and read them through ``dsa.kernels``.
+
+Ids follow the kernels' rule: a slot outside ``[0, NB * P)`` writes nothing, and a position whose
+block id is outside ``[0, NB)`` reads nothing.
+"""
 import torch
 
 from dsa.kernels import indexer_key_write, latent_write
-from dsa.kernels.common import check_block_size, check_tensor
-from dsa.kernels.layouts import INDEXER_HEAD_DIM, LATENT_DIM, LATENT_FP8_BYTES, indexer_cache_views
+from dsa.kernels.common import check_block_size, check_int, check_tensor
+from dsa.kernels.layouts import INDEXER_HEAD_DIM, LATENT_ROWS, indexer_bytes_per_token, indexer_cache_views
 from dsa.kernels.slots import positions_to_slots_reference
 
-LATENT_FORMATS = ("bf16", "fp8", "fp32")
-
-
-def _check_num_blocks(num_blocks):
-    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
-        raise ValueError(f"num_blocks: expected a non-negative int, got {num_blocks!r}")
+LATENT_FORMATS = tuple(LATENT_ROWS)  # "bf16", "fp8", "fp32"
 
 
 class IndexerKeyCache:
@@ -24,14 +23,15 @@ class IndexerKeyCache:
 
     def __init__(self, num_blocks: int, block_size: int, precision: str = "fp8", dtype: torch.dtype | None = None,
                  device=None, head_dim: int = INDEXER_HEAD_DIM):
-        _check_num_blocks(num_blocks)
+        num_blocks = check_int("num_blocks", num_blocks, minimum=0)
         self.block_size = check_block_size(block_size)
-        self.head_dim = head_dim
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
         self.precision = precision
         if precision == "fp8":
             if dtype not in (None, torch.uint8):
                 raise ValueError(f"dtype: an fp8 indexer cache is uint8, got {dtype}")
-            self.data = torch.zeros(num_blocks, block_size * (head_dim + 4), dtype=torch.uint8, device=device)
+            self.data = torch.zeros(num_blocks, block_size * indexer_bytes_per_token(head_dim), dtype=torch.uint8,
+                                    device=device)
         elif precision == "exact":
             self.data = torch.zeros(num_blocks, block_size, head_dim, dtype=dtype or torch.bfloat16, device=device)
         else:
@@ -51,14 +51,13 @@ class LatentCache:
     ``uint8 [NB, P, 656]`` (FlashMLA layout) or ``"fp32"`` ``[NB, P, 576]``."""
 
     def __init__(self, num_blocks: int, block_size: int, format: str = "bf16", device=None):
-        _check_num_blocks(num_blocks)
+        num_blocks = check_int("num_blocks", num_blocks, minimum=0)
         self.block_size = check_block_size(block_size)
         if format not in LATENT_FORMATS:
             raise ValueError(f"format: expected one of {LATENT_FORMATS}, got {format!r}")
         self.format = format
-        shape, dtype = {"bf16": ((LATENT_DIM,), torch.bfloat16), "fp8": ((LATENT_FP8_BYTES,), torch.uint8),
-                        "fp32": ((LATENT_DIM,), torch.float32)}[format]
-        self.data = torch.zeros(num_blocks, block_size, *shape, dtype=dtype, device=device)
+        width, dtype = LATENT_ROWS[format]
+        self.data = torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
 
     @property
     def num_blocks(self) -> int:
@@ -71,7 +70,7 @@ class LatentCache:
 
 def write_indexer_keys(cache: IndexerKeyCache, k: torch.Tensor, slot_mapping: torch.Tensor,
                        hadamard: bool = False) -> None:
-    """Store keys ``k [T, DI]`` at ``slot_mapping [T]`` (int32/int64, ``< 0`` skipped).
+    """Store keys ``k [T, DI]`` at ``slot_mapping [T]`` (int32/int64; slots outside ``[0, NB * P)`` skipped).
 
     FP8 caches quantize (after the Hadamard transform when asked); exact caches store ``k``
     as it is and take no Hadamard.
@@ -83,15 +82,16 @@ def write_indexer_keys(cache: IndexerKeyCache, k: torch.Tensor, slot_mapping: to
         return
     if hadamard:
         raise ValueError("hadamard: exact-precision indexer caches keep keys without the Hadamard transform")
-    check_tensor("k", k, shape=(None, cache.head_dim))
-    check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(k.shape[0],))
+    check_tensor("k", k, shape=(None, cache.head_dim), device=cache.data.device)
+    check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(k.shape[0],),
+                 device=cache.data.device)
     slots = slot_mapping.long()
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < cache.num_blocks * cache.block_size)
     cache.data[slots[keep] // cache.block_size, slots[keep] % cache.block_size] = k[keep].to(cache.data.dtype)
 
 
 def write_latent(cache: LatentCache, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``[kv_c (512) | k_pe (64)]`` rows at ``slot_mapping [T]`` (``< 0`` skipped)."""
+    """Store ``[kv_c (512) | k_pe (64)]`` rows at ``slot_mapping [T]`` (outside ``[0, NB * P)`` skipped)."""
     if not isinstance(cache, LatentCache):
         raise TypeError(f"cache: expected a LatentCache, got {type(cache).__name__}")
     latent_write(cache.data, kv_c, k_pe, slot_mapping)
@@ -102,28 +102,38 @@ def gather_indexer_keys(cache: IndexerKeyCache, block_table: torch.Tensor,
     """Each request's keys, positions ``0 .. S_b - 1``, concatenated in request order.
 
     Args:
-        block_table: ``[B, MB]`` int32. seq_lens: ``[B]`` int32 (a host sync sizes the output).
+        block_table: ``[B, MB]`` int32, at least ``ceil(S_b / P)`` blocks per request (else
+            ``ValueError``); a block id outside ``[0, NB)`` is read as no block.
+        seq_lens: ``[B]`` int32 (a host sync sizes the output); negative counts as 0.
 
     Returns:
         FP8: ``(k8 [sum(S), DI] float8_e4m3fn, k_scale [sum(S)] float32)``;
-        exact: ``(k [sum(S), DI] cache dtype, None)``.
+        exact: ``(k [sum(S), DI] cache dtype, None)``. Positions in a block whose id is outside
+        ``[0, NB)`` read nothing: their keys and scales are 0 (they score 0, and no slot maps
+        them, so attention never reads them). B = 0 gives ``[0, DI]`` and ``[0]``.
     """
     if not isinstance(cache, IndexerKeyCache):
         raise TypeError(f"cache: expected an IndexerKeyCache, got {type(cache).__name__}")
     check_tensor("block_table", block_table, dtype=torch.int32, shape=2, device=cache.data.device)
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(block_table.shape[0],), device=cache.data.device)
-    lengths = seq_lens.long()
+    lengths = seq_lens.long().clamp_min(0)
+    if (lengths > block_table.shape[1] * cache.block_size).any():  # before sizing anything by seq_lens
+        raise ValueError(f"block_table: too few blocks ({block_table.shape[1]}) for seq_lens")
     total = int(lengths.sum())
     row_to_req = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
     starts = torch.cumsum(lengths, 0) - lengths
     positions = (torch.arange(total, device=lengths.device) - starts[row_to_req]).to(torch.int32)
     slots = positions_to_slots_reference(positions[:, None], block_table, row_to_req.to(torch.int32), seq_lens,
                                          cache.block_size)[:, 0].long()
-    if (slots < 0).any():
-        raise ValueError("block_table: too few blocks for seq_lens")
+    ok = (slots >= 0) & (slots < cache.num_blocks * cache.block_size)  # block ids outside [0, NB): nothing read
+    slots = torch.where(ok, slots, 0)
     block, offset = slots // cache.block_size, slots % cache.block_size
     if cache.precision == "exact":
-        return cache.data[block, offset], None
+        data = cache.data if cache.num_blocks else cache.data.new_zeros(1, cache.block_size, cache.head_dim)
+        return data[block, offset].masked_fill(~ok[:, None], 0), None
     k8, scale = indexer_cache_views(cache.data, cache.block_size)
-    return k8[block, offset], scale[block, offset]
+    if not cache.num_blocks:
+        k8, scale = k8.new_zeros(1, cache.block_size, cache.head_dim), scale.new_zeros(1, cache.block_size)
+    k = k8[block, offset].view(torch.uint8).masked_fill(~ok[:, None], 0).view(torch.float8_e4m3fn)
+    return k, scale[block, offset].masked_fill(~ok, 0)
 

@@ -20,23 +20,25 @@ from torch import nn
 
 from dsa.cache import IndexerKeyCache, LatentCache, write_latent
 from dsa.indexer import LightningIndexer
-from dsa.kernels import apply_rope, dense_mla_decode, sparse_mla
+from dsa.kernels import dense_mla_decode, rope_rotate, sparse_mla
 from dsa.kernels.sparse_mla import gather_latent_rows
 
 from .absorb import absorb_kv_b
 from .config import DSAConfig, layer_runs_indexer, softmax_scale
 from .layers import RMSNorm
+from .parallel import TensorParallel
 
 
 class DSAAttention(nn.Module):
     """MLA with DSA: projections, RoPE, the latent-cache write, the layer's indexer (or the reused
     selection), and attention per row path; weights absorbed once by :meth:`absorb`."""
 
-    def __init__(self, config: DSAConfig, layer_id: int):
+    def __init__(self, config: DSAConfig, layer_id: int, tp: TensorParallel = TensorParallel()):
         super().__init__()
         c = self.config = config
-        self.layer_id = layer_id
-        h = c.num_attention_heads
+        self.layer_id, self.tp = layer_id, tp
+        h = self.num_heads = c.num_attention_heads // tp.size  # this rank's heads
+        tp.split(c.num_attention_heads, "num_attention_heads")
         if c.q_lora_rank:
             self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank)
@@ -55,7 +57,7 @@ class DSAAttention(nn.Module):
     def absorb(self) -> None:
         """Build ``W_UK_T [H, D_NOPE, R]`` and ``W_UV [H, R, D_V]`` from ``kv_b_proj`` (after loading)."""
         c = self.config
-        self.w_uk_t, self.w_uv = absorb_kv_b(self.kv_b_proj.weight.detach(), c.num_attention_heads,
+        self.w_uk_t, self.w_uv = absorb_kv_b(self.kv_b_proj.weight.detach(), self.num_heads,
                                              c.qk_nope_head_dim, c.v_head_dim)
 
     def forward(self, x: torch.Tensor, step) -> torch.Tensor:
@@ -63,18 +65,22 @@ class DSAAttention(nn.Module):
         a layer that runs its indexer leaves its selection in ``step.selection`` for the layers
         after it that skip theirs."""
         c, plan = self.config, step.plan
-        t, h = x.shape[0], c.num_attention_heads
+        t, h = x.shape[0], self.num_heads
         latent, index_cache = step.caches.latent[self.layer_id], step.caches.index[self.layer_id]
-        qr, q_nope, q_pe, kv_c, k_pe = self.project(x, plan.positions, step.cos, step.sin)
+        qr, q_nope, q_pe, kv_c, k_pe = self.project(x, step.rope)
         write_latent(latent, kv_c, k_pe, plan.slot_mapping)
         if self.indexer is not None:
-            step.selection = self.indexer(x, qr, plan.indexer, index_cache, step.cos, step.sin)
+            step.selection = self.indexer(x, qr, plan.indexer, index_cache, step.rope)
+            if self.tp.check_selection:
+                for part in (step.selection.decode, step.selection.prefill):
+                    if part is not None:
+                        self.tp.check_same(f"layer {self.layer_id}", part)
 
         d, sparse_rows = plan.decode, plan.sparse_prefill_rows
         absorbed = d is not None or sparse_rows is not None or plan.absorbed
         q_abs = self.absorbed_query(q_nope, q_pe) if absorbed else None  # [T, H, 576]
         if d is not None and plan.decode_only:  # every row decodes: no gather, no scatter
-            return self.o_proj(self._up_v(self._decode(q_abs, d, latent, step.selection)).flatten(1))
+            return self._out(self._up_v(self._decode(q_abs, d, latent, step.selection)))
         out = torch.full((t, h, c.v_head_dim), float("nan"), dtype=x.dtype, device=x.device)
         if d is not None:
             out[d.rows] = self._up_v(self._decode(q_abs[d.rows], d, latent, step.selection))
@@ -89,7 +95,15 @@ class DSAAttention(nn.Module):
         for seg in plan.mha:
             rows = slice(seg.row0, seg.row1)
             out[rows] = self._mha(q_nope[rows], q_pe[rows], seg, latent)
-        return self.o_proj(out.flatten(1))
+        return self._out(out)
+
+    def _out(self, out: torch.Tensor) -> torch.Tensor:
+        """``o_proj`` of ``[T, H, D_V]``; under tensor parallelism a row-parallel projection of this
+        rank's heads, summed over the ranks (the bias added once, after the sum)."""
+        if self.tp.size == 1:
+            return self.o_proj(out.flatten(1))
+        y = self.tp.all_reduce(F.linear(out.flatten(1), self.o_proj.weight))
+        return y if self.o_proj.bias is None else y + self.o_proj.bias
 
     def _decode(self, q_abs: torch.Tensor, d, latent: LatentCache, selection) -> torch.Tensor:
         """Latent-space attention ``[R, H, 512]`` of the decode rows: top-k + sparse kernel with an
@@ -98,18 +112,19 @@ class DSAAttention(nn.Module):
             return sparse_mla(q_abs, latent.data, selection.decode, self.softmax_scale)[0]
         return dense_mla_decode(q_abs.unsqueeze(1), latent.data, d.block_table, d.seq_lens, self.softmax_scale)[0][:, 0]
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor, cos, sin):
+    def project(self, x: torch.Tensor, rot: torch.Tensor):
         """``(qr [T, q_lora], q_nope [T, H, D_NOPE], q_pe [T, H, D_R], kv_c [T, 512], k_pe [T, 64])``,
-        RoPE (interleaved) applied to ``q_pe`` and ``k_pe``."""
+        RoPE (interleaved) applied to ``q_pe`` and ``k_pe``; ``rot [T, D_R / 2]`` from
+        :func:`dsa.kernels.rope_at` (the step's per-token rotations)."""
         c = self.config
         t = x.shape[0]
         qr = self.q_a_layernorm(self.q_a_proj(x)) if c.q_lora_rank else x
-        q = (self.q_b_proj(qr) if c.q_lora_rank else self.q_proj(x)).view(t, c.num_attention_heads, c.qk_head_dim)
+        q = (self.q_b_proj(qr) if c.q_lora_rank else self.q_proj(x)).view(t, self.num_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_proj_with_mqa(x)
         kv_c = self.kv_a_layernorm(kv[:, :c.kv_lora_rank])
-        q_pe = apply_rope(q_pe, positions, cos, sin, True)
-        k_pe = apply_rope(kv[:, c.kv_lora_rank:], positions, cos, sin, True)
+        q_pe = rope_rotate(q_pe, rot, True)
+        k_pe = rope_rotate(kv[:, c.kv_lora_rank:], rot, True)
         return qr, q_nope, q_pe, kv_c, k_pe
 
     def absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
@@ -124,7 +139,7 @@ class DSAAttention(nn.Module):
         """Up-projected MHA for one request's dense prefill rows (SDPA, bottom-right causal mask).
         Its workspace (the up-projected K/V, the keys, V padded) is bounded by the plan."""
         c = self.config
-        h, s = c.num_attention_heads, seg.seq_len
+        h, s = self.num_heads, seg.seq_len
         rows = gather_latent_rows(latent.data, seg.slots.long(), q_nope.dtype)  # [S, 576]
         kv = F.linear(rows[:, :c.kv_lora_rank], self.kv_b_proj.weight).view(s, h, -1)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)

@@ -1,6 +1,9 @@
-"""DSAConfig, the layer-skip predicate and the cache arithmetic (a leaf module: imports only torch).
+"""DSAConfig, the layer-skip predicate and the cache arithmetic.
 
-Field names are the HF ``config.json`` keys where one exists.
+A leaf of ``dsa``: imports torch and, from ``dsa.kernels``, only the validation helpers, the RoPE
+table (which owns its constraints) and the byte layouts. Field names are the HF ``config.json`` keys
+where one exists. A config that cannot describe a model (a non-int size, inconsistent MoE routing, an
+unusable RoPE) is refused when it is built; from a file, the error names the file.
 """
 import dataclasses
 import json
@@ -10,9 +13,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsa.kernels.common import check_int
+from dsa.kernels.layouts import indexer_bytes_per_token, latent_bytes_per_token
+from dsa.kernels.rope import yarn_cos_sin
+
 MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa", "deepseek_v3")
 KV_CACHE_FORMATS = ("auto", "bf16", "fp8", "fp32")
 INDEXER_PRECISIONS = ("fp8", "exact")
+
+# int fields and their least value (None: the field may also be None)
+INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "moe_intermediate_size": 1,
+              "num_hidden_layers": 1, "num_attention_heads": 1, "q_lora_rank": None, "kv_lora_rank": 1,
+              "qk_nope_head_dim": 1, "qk_rope_head_dim": 2, "v_head_dim": 1, "n_routed_experts": None,
+              "n_shared_experts": 0, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1,
+              "first_k_dense_replace": 0, "moe_layer_freq": 1, "max_position_embeddings": 1, "index_n_heads": 1,
+              "index_head_dim": 1, "index_topk": None, "index_topk_freq": 1, "index_skip_topk_offset": 0,
+              "block_size": 1}
 
 V32_YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -70,6 +86,12 @@ class DSAConfig:
     dispatch_thresholds: str | None = None
 
     def __post_init__(self):
+        for name, minimum in INT_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None or minimum is not None:
+                check_int(name, value, minimum=1 if minimum is None else minimum)
+        self._check_moe()
+        yarn_cos_sin(1, self.qk_rope_head_dim, self.rope_theta, self.rope_scaling)  # refuses unusable RoPE
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model_type: expected one of {MODEL_TYPES}, got {self.model_type!r}")
         if self.kv_cache_format not in KV_CACHE_FORMATS:
@@ -79,20 +101,35 @@ class DSAConfig:
         if self.kv_lora_rank + self.qk_rope_head_dim != 576:
             raise ValueError("kv_lora_rank + qk_rope_head_dim: the latent cache row is 576 wide (512 + 64), got "
                              f"{self.kv_lora_rank} + {self.qk_rope_head_dim}")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size: expected a positive int, got {self.block_size!r}")
         if self.index_topk is not None:
-            if self.index_topk < 1:
-                raise ValueError(f"index_topk: expected None or a positive int, got {self.index_topk!r}")
             if self.indexer_types is not None and len(self.indexer_types) < self.num_hidden_layers:
                 raise ValueError(f"indexer_types: expected {self.num_hidden_layers} entries, got "
                                  f"{len(self.indexer_types)}")
             if self.index_topk_pattern is not None and len(self.index_topk_pattern) < self.num_hidden_layers:
                 raise ValueError(f"index_topk_pattern: expected {self.num_hidden_layers} characters, got "
                                  f"{len(self.index_topk_pattern)}")
-            if self.index_topk_freq < 1:
-                raise ValueError(f"index_topk_freq: expected a positive int, got {self.index_topk_freq!r}")
             layer_runs_indexer(self, 0)  # raises when layer 0 is marked shared
+
+    def _check_moe(self):
+        """Group-limited routing needs ``n_group | n_routed_experts``, ``topk_group <= n_group``, two
+        experts per group (groups score by their top two) and ``num_experts_per_tok`` experts inside the
+        ``topk_group`` groups kept."""
+        experts = self.n_routed_experts
+        if experts is None:
+            return
+        if experts % self.n_group:
+            raise ValueError(f"n_group: expected a divisor of n_routed_experts = {experts}, got {self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group: expected <= n_group = {self.n_group}, got {self.topk_group}")
+        per_group = experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError(f"n_group: groups are scored by their two best experts; {experts} experts in "
+                             f"{self.n_group} groups leave {per_group} per group")
+        reachable = experts if self.n_group == 1 else self.topk_group * per_group
+        if self.num_experts_per_tok > reachable:
+            raise ValueError(f"num_experts_per_tok: expected <= {reachable} (experts in the topk_group = "
+                             f"{self.topk_group} groups kept of n_routed_experts = {experts}), got "
+                             f"{self.num_experts_per_tok}")
 
     @property
     def qk_head_dim(self) -> int:
@@ -132,19 +169,32 @@ class DSAConfig:
         """Read a HF ``config.json`` (a folder, the file, or its dict) of model type
         ``deepseek_v32``, ``glm_moe_dsa`` or ``deepseek_v3``."""
         if isinstance(path_or_dict, dict):
-            hf = dict(path_or_dict)
-        else:
-            path = os.fspath(path_or_dict)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path) as f:
+            return cls._from_hf_dict(dict(path_or_dict), overrides)
+        path = os.fspath(path_or_dict)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            try:
                 hf = json.load(f)
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                raise ValueError(f"{path}: not a valid JSON file ({e})") from None
+        if not isinstance(hf, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+        try:
+            return cls._from_hf_dict(hf, overrides)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{path}: {e}") from None
+
+    @classmethod
+    def _from_hf_dict(cls, hf: dict, overrides: dict) -> "DSAConfig":
         model_type = hf.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type: expected one of {MODEL_TYPES}, got {model_type!r}")
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in hf.items() if k in names}
         rope = hf.get("rope_scaling") or hf.get("rope_parameters")
+        if rope is not None and not isinstance(rope, dict):
+            raise TypeError(f"rope_scaling: expected an object, got {type(rope).__name__}")
         if rope is not None:
             kind = rope.get("rope_type", rope.get("type", "default"))
             kw["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
@@ -202,11 +252,12 @@ def latent_format(config: DSAConfig, dtype: torch.dtype = torch.bfloat16) -> str
 def bytes_per_token(config: DSAConfig, dtype: torch.dtype = torch.bfloat16) -> int:
     """Cache bytes per token, all layers: latent rows plus indexer keys of the layers that index.
 
-    V3.2 with a bf16 latent cache: ``61 * 1152 + 61 * 132 = 78,324``.
+    V3.2 with a bf16 latent cache: ``61 * 1152 + 61 * 132 = 78,324``. The row sizes come from
+    ``dsa.kernels.layouts``, which the caches allocate by.
     """
-    latent = {"bf16": 2 * 576, "fp8": 656, "fp32": 4 * 576}[latent_format(config, dtype)]
+    latent = latent_bytes_per_token(latent_format(config, dtype))
     if config.indexer_precision == "fp8":
-        key = config.index_head_dim + 4 * (config.index_head_dim // 128)
+        key = indexer_bytes_per_token(config.index_head_dim)
     else:
         key = config.index_head_dim * torch.empty((), dtype=dtype).element_size()
     return config.num_hidden_layers * latent + len(indexer_layers(config)) * key

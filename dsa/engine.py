@@ -27,6 +27,8 @@ import threading
 
 import torch
 
+from dsa.kernels.common import check_int
+
 from .config import bytes_per_token
 from .output import Delta, TextOutput
 from .plan import PATHS
@@ -39,8 +41,10 @@ class Engine:
     """Batches requests over one pool of paged caches (``num_blocks`` blocks, or as many as
     ``memory_bytes`` holds), ``max_batch_tokens`` rows per step (long prompts are prefilled in
     chunks). ``cuda_graphs``: replay decode-only steps from CUDA graphs (None: whenever the model
-    allows, i.e. on CUDA without MoE layers; False: always eager). ``tokenizer``: makes deltas
-    carry text and enables stop strings; its EOS joins the config's ``eos_token_id``.
+    allows, i.e. on CUDA without MoE layers; False: always eager). ``prefix_caching``: reuse the
+    cached blocks of a prompt's prefix (both caches of every layer) and keep finished requests'
+    blocks cached until the pool needs them. ``tokenizer``: makes deltas carry text and enables
+    stop strings; its EOS joins the config's ``eos_token_id``.
 
     Requests: :meth:`add_request` (token ids + :class:`~dsa.sampling.SamplingParams`, or the
     ``max_new_tokens`` shorthand: greedy), :meth:`abort`, :meth:`step`; :meth:`stream` and
@@ -48,19 +52,20 @@ class Engine:
     """
 
     def __init__(self, model, num_blocks: int | None = None, memory_bytes: int | None = None,
-                 max_batch_tokens: int = 8192, cuda_graphs: bool | None = None, tokenizer=None):
+                 max_batch_tokens: int = 8192, cuda_graphs: bool | None = None, prefix_caching: bool = True,
+                 tokenizer=None):
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("num_blocks / memory_bytes: give exactly one of them")
-        if not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool) or max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens: expected a positive int, got {max_batch_tokens!r}")
+        max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, minimum=1)
         self.model = model
         self.config = c = model.config
         if num_blocks is None:
             num_blocks = int(memory_bytes) // (bytes_per_token(c, model.dtype) * c.block_size)
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise ValueError(f"num_blocks: expected a positive int (from memory_bytes too), got {num_blocks!r}")
+        num_blocks = check_int("num_blocks", num_blocks, minimum=1)
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens)
+        namespace = repr((c, str(model.dtype)))  # what changes a block's content besides its tokens
+        self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens, prefix_caching=prefix_caching,
+                                   namespace=namespace)
         self.runner = ModelRunner(model, num_blocks, cuda_graphs)
         self.sampler = Sampler(c.vocab_size, model.device)
         self.tokenizer = tokenizer
@@ -73,7 +78,14 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
         self.stats = {"rows": {p: 0 for p in PATHS}, "prefill_chunks": 0, "peak_workspace_bytes": 0,
-                      "blocks_in_use": 0, "steps": 0, "graph_steps": 0, "tokens": 0, "generated_tokens": 0}
+                      "blocks_in_use": 0, "steps": 0, "graph_steps": 0, "tokens": 0, "generated_tokens": 0,
+                      "prefix": dict(self.scheduler.blocks.stats, cached_blocks=0)}
+
+    def __getstate__(self):  # copy.deepcopy, pickle: a lock and an entropy source are not state
+        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "_seeds")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, lock=threading.RLock(), _seeds=random.SystemRandom())
 
     # ---- state the tests and tools look at ------------------------------------------------
     @property
@@ -82,7 +94,8 @@ class Engine:
 
     @property
     def allocator(self):
-        return self.scheduler.allocator
+        """The block pool (``num_free``: blocks a new request can get, cached ones included)."""
+        return self.scheduler.blocks
 
     @property
     def waiting(self):
@@ -110,8 +123,7 @@ class Engine:
         if sampling is None:
             if max_new_tokens is None:
                 raise ValueError("max_new_tokens / sampling: give one of them")
-            if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-                raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
+            max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
             return SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling: expected dsa.SamplingParams, got {type(sampling).__name__}")
@@ -123,12 +135,8 @@ class Engine:
     def check_request(self, prompt_ids, sampling: SamplingParams) -> list:
         """The prompt as a list of ints after the checks :meth:`add_request` makes (no state is
         touched): ValueError when the request could never run, naming the limit."""
-        prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
-        if not prompt:
-            raise ValueError("prompt_ids: expected at least one token")
         vocab = self.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab})")
+        prompt = token_ids(prompt_ids, vocab)
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (Engine(..., tokenizer=...), or dsa.LLM)")
         if any(t >= vocab for t in sampling.stop_token_ids):
@@ -191,7 +199,7 @@ class Engine:
                                             [len(r.tokens) for r in reqs])
             produced = {}
             for (req, n), tok, lp in zip(batch, tokens, logprobs):
-                req.computed += n
+                self.scheduler.advance(req, n)
                 if req.computed < len(req.tokens):
                     continue  # a prefill chunk that did not reach the end of the prompt
                 req.tokens.append(tok)
@@ -203,6 +211,7 @@ class Engine:
             s["prefill_chunks"] += sum(1 for r, n in batch if r.computed - n < r.prompt_len)
             s["peak_workspace_bytes"] = max(s["peak_workspace_bytes"], result.workspace_bytes)
             s["blocks_in_use"] = self.num_blocks - self.allocator.num_free
+            s["prefix"] = dict(self.scheduler.blocks.stats, cached_blocks=self.scheduler.blocks.num_cached)
             s["steps"] += 1
             s["graph_steps"] += result.graph
             s["tokens"] += sum(n for _, n in batch)
@@ -274,3 +283,22 @@ class Engine:
         for d in self.stream(prompts, max_new_tokens, sampling=sampling):
             out[d.index].extend(d.token_ids)
         return out
+
+
+def token_ids(prompt_ids, vocab_size: int) -> list:
+    """A prompt as a list of ints in ``[0, vocab_size)``, at least one; ``TypeError`` for floats and
+    bools (a float tensor too), ``ValueError`` for an empty prompt or ids out of range."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dtype == torch.bool or prompt_ids.is_floating_point() or prompt_ids.is_complex():
+            raise TypeError(f"prompt_ids: expected integer token ids, got a {prompt_ids.dtype} tensor")
+        if prompt_ids.dim() != 1:
+            raise ValueError(f"prompt_ids: expected a 1-D tensor, got shape {list(prompt_ids.shape)}")
+        prompt_ids = prompt_ids.tolist()
+    elif isinstance(prompt_ids, (str, bytes)):
+        raise TypeError(f"prompt_ids: expected integer token ids, got {type(prompt_ids).__name__}")
+    prompt = [check_int("prompt_ids", t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("prompt_ids: expected at least one token")
+    if any(not 0 <= t < vocab_size for t in prompt):
+        raise ValueError(f"prompt_ids: token ids must be in [0, {vocab_size})")
+    return prompt

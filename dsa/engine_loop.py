@@ -135,5 +135,6 @@ class EngineLoop:
         return {"running": len(e.running), "waiting": len(e.waiting), "generated_tokens": e.stats["generated_tokens"],
                 "prompt_tokens": self.prompt_tokens, "tokens_per_second": self.tokens_per_second(),
                 "blocks_free": e.allocator.num_free, "blocks_in_use": e.num_blocks - e.allocator.num_free,
+                "blocks_cached": e.allocator.num_cached,
                 "rows": dict(e.stats["rows"]), "finished": dict(self.finished)}
 

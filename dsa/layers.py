@@ -4,10 +4,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DSAConfig
+from .parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
-    """``weight * (x / rms(x))``, normalized in fp32 and cast back before the weight (HF semantics)."""
+    """``weight * (x / rms(x))``, normalized in fp32 and cast back before the weight (HF semantics);
+    ``F.rms_norm`` does the normalization in one kernel on CUDA."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -15,22 +17,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``. Under tensor parallelism (``tp``) this rank holds
+    ``intermediate / tp`` rows of gate and up and the matching columns of down; with ``reduce`` the
+    partial outputs are summed over the ranks here (MoE sums its parts once, itself)."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel = TensorParallel(), reduce: bool = True):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        part = tp.split(intermediate, "intermediate_size")
+        self.gate_proj = nn.Linear(hidden, part.stop - part.start, bias=False)
+        self.up_proj = nn.Linear(hidden, part.stop - part.start, bias=False)
+        self.down_proj = nn.Linear(part.stop - part.start, hidden, bias=False)
+        self.tp = tp if reduce else TensorParallel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class MoEGate(nn.Module):
@@ -61,26 +65,32 @@ class MoEGate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (SwiGLU each) weighted by the gate, plus the shared experts."""
+    """Routed experts (SwiGLU each) weighted by the gate, plus the shared experts. Under tensor
+    parallelism a rank holds the experts ``e % tp == rank`` (the router is replicated) and its share
+    of the shared experts; the parts are summed over the ranks once. The expert loop reads the
+    routing on the host, so MoE models run eagerly (no CUDA graphs)."""
 
-    def __init__(self, config: DSAConfig):
+    def __init__(self, config: DSAConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
+        self.tp = tp
         self.gate = MoEGate(config)
-        self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.n_routed_experts))
-        self.shared_experts = (MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
-                               if config.n_shared_experts else None)
+        self.experts = nn.ModuleDict({str(e): MLP(config.hidden_size, config.moe_intermediate_size, reduce=False)
+                                      for e in range(config.n_routed_experts) if tp.owns_expert(e)})
+        self.shared_experts = (MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, tp,
+                                   reduce=False) if config.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x)  # [T, k], [T, k] fp32
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
+            if str(e) not in self.experts:
+                continue  # another rank's expert
             token, slot = torch.nonzero(idx == e, as_tuple=True)
-            y = self.experts[e](x[token]) * w[token, slot, None]
+            y = self.experts[str(e)](x[token]) * w[token, slot, None]
             out.index_add_(0, token, y.to(x.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)
 
 
 def is_moe_layer(config: DSAConfig, layer_id: int) -> bool:

@@ -1,8 +1,16 @@
-"""Load HF checkpoint folders (``config.json`` + safetensors, sharded or not) into a DSAModel.
+"""Read HF checkpoint folders (``config.json`` + safetensors, sharded or not): the config and the tensors.
 
 Tensor names are HF's with the ``model.`` prefix dropped. FP8 weights with ``weight_scale_inv``
 (one fp32 scale per 128x128 block) are dequantized: ``W = W8 * scale_inv[i // 128, j // 128]``.
-MTP / next-n layers (``layer >= num_hidden_layers``) are skipped with a log line.
+MTP / next-n layers (``num_hidden_layers <= layer < num_hidden_layers + num_nextn_predict_layers``,
+recognized by their ``eh_proj``) are skipped with a log line. Building the model is :meth:`dsa.DSAModel.from_pretrained`'s job; this
+module imports nothing of the model.
+
+Whatever cannot be loaded faithfully is refused with an error naming the file and the tensor or
+field: an unreadable ``config.json`` or safetensors file, decoder layers past ``num_hidden_layers``
+(a config that lowers it would load a truncated model), layers past the MTP layers, indexer weights
+for a model without an indexer, scale blocks that do not match their weight, non-finite weights or
+scales, missing or mis-shaped tensors.
 """
 import json
 import logging
@@ -10,10 +18,11 @@ import os
 import re
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from dsa.kernels.common import check_int
 
 from .config import DSAConfig
-from .model import param_dtype
 
 log = logging.getLogger("dsa")
 
@@ -26,13 +35,27 @@ SHAPE_FIELDS = frozenset({
     "tie_word_embeddings", "attention_bias"})
 FP8_BLOCK = 128
 LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+SCALE_SUFFIX = "_scale_inv"
+
+
+def _read_json(file: str, what: str):
+    with open(file) as f:
+        try:
+            data = json.load(f)
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{file}: not a valid JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected {what} (a JSON object), got {type(data).__name__}")
+    return data
 
 
 def _shards(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = _read_json(index, "a safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: weight_map: expected an object of tensor name -> file name")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
@@ -47,55 +70,118 @@ def dequantize_fp8_block(w8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Ten
     return w8.float() * s
 
 
-def read_checkpoint(path: str, num_layers: int) -> dict:
-    """All tensors of a checkpoint folder by our names, FP8 blocks dequantized to fp32, MTP layers dropped."""
-    raw, skipped = {}, set()
+def _nonfinite(t: torch.Tensor) -> bool:
+    if t.dtype == torch.float8_e4m3fn:  # NaN is S.1111.111; e4m3fn has no inf
+        return bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    return t.is_floating_point() and not bool(torch.isfinite(t).all())
+
+
+def _read_files(path: str, num_layers: int, num_nextn: int) -> tuple[dict, dict]:
+    """``(tensors by HF name minus ``model.``, file of each)``, MTP layers dropped, everything else refused
+    unless readable and finite."""
+    raw, where, skipped = {}, {}, {}  # skipped: layer -> (a file, has eh_proj)
     for file in _shards(path):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                m = LAYER_RE.match(key)
-                if m and int(m.group(1)) >= num_layers:
-                    skipped.add(int(m.group(1)))
-                    continue
-                raw[key.removeprefix("model.")] = f.get_tensor(key)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    m = LAYER_RE.match(key)
+                    if m and int(m.group(1)) >= num_layers:
+                        if int(m.group(1)) >= num_layers + num_nextn:
+                            raise ValueError(
+                                f"{file}: {key}: layer {m.group(1)} is past num_hidden_layers = {num_layers} + "
+                                f"num_nextn_predict_layers = {num_nextn} of config.json (a config that drops layers "
+                                "would load a truncated model)")
+                        layer = int(m.group(1))
+                        skipped[layer] = (file, skipped.get(layer, (file, False))[1] or ".eh_proj." in key)
+                        continue
+                    name = key.removeprefix("model.")
+                    if name in raw:
+                        raise ValueError(f"{file}: {key} is also in {where[name]}")
+                    raw[name], where[name] = f.get_tensor(key), file
+        except SafetensorError as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+    for layer, (file, mtp) in sorted(skipped.items()):
+        if not mtp:
+            raise ValueError(f"{file}: layers.{layer}: a decoder layer past num_hidden_layers = {num_layers} of "
+                             "config.json without the eh_proj of an MTP layer (a config that drops layers would "
+                             "load a truncated model)")
     if skipped:
-        log.info("skipping MTP / next-n layers %s (layer >= num_hidden_layers = %d)", sorted(skipped), num_layers)
+        log.info("skipping MTP / next-n layers %s (num_hidden_layers = %d)", sorted(skipped), num_layers)
+    for name, t in raw.items():
+        if _nonfinite(t):
+            raise ValueError(f"{where[name]}: {name}: holds NaN or inf")
+    return raw, where
+
+
+def _dequantize(raw: dict, where: dict) -> dict:
+    """FP8 weights times their block scales; a scale must belong to an FP8 2-D weight of its exact grid."""
     out = {}
     for key, t in raw.items():
-        if key.endswith("_scale_inv"):
+        if key.endswith(SCALE_SUFFIX):
+            weight = raw.get(key.removesuffix(SCALE_SUFFIX))
+            if weight is None or weight.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{where[key]}: {key}: a block scale without an FP8 weight "
+                                 f"{key.removesuffix(SCALE_SUFFIX)}")
             continue
-        scale = raw.get(key + "_scale_inv")
         if t.dtype == torch.float8_e4m3fn:
+            scale = raw.get(key + SCALE_SUFFIX)
             if scale is None:
-                raise ValueError(f"{key}: an FP8 weight without its {key}_scale_inv")
+                raise ValueError(f"{where[key]}: {key}: an FP8 weight without its {key}{SCALE_SUFFIX}")
+            if t.dim() != 2:
+                raise ValueError(f"{where[key]}: {key}: expected a 2-D FP8 weight, got shape {list(t.shape)}")
+            grid = [-(-t.shape[0] // FP8_BLOCK), -(-t.shape[1] // FP8_BLOCK)]
+            if list(scale.shape) != grid:
+                raise ValueError(f"{where[key + SCALE_SUFFIX]}: {key}{SCALE_SUFFIX}: expected {grid} blocks of "
+                                 f"{FP8_BLOCK}x{FP8_BLOCK} for the weight's {list(t.shape)}, got {list(scale.shape)}")
             t = dequantize_fp8_block(t, scale)
         out[key] = t
     return out
 
 
-def load_pretrained(cls, path, dtype: torch.dtype, device: torch.device, overrides: dict):
+def read_pretrained(path, overrides: dict | None = None) -> tuple[DSAConfig, dict]:
+    """``(config, tensors)`` of a checkpoint folder: our tensor names -> fp32 (dequantized) or stored dtype.
+
+    ``overrides``: DSAConfig fields that keep weight shapes; others raise ``ValueError``. Indexer
+    weights in a checkpoint whose config has no indexer (``deepseek_v3``) are refused.
+    """
     path = os.fspath(path)
+    overrides = dict(overrides or {})
     bad = sorted(set(overrides) & SHAPE_FIELDS)
     if bad or ("index_topk" in overrides and overrides["index_topk"] is None):
         raise ValueError(f"overrides: {bad or ['index_topk=None']} would change the checkpoint's weights; "
                          "only fields that keep weight shapes can be overridden")
-    config = DSAConfig.from_hf_config(path, **overrides)
-    with torch.device("meta"):
-        model = cls(config)
-    expected = model.state_dict()
-    tensors = read_checkpoint(path, config.num_hidden_layers)
+    config_file = os.path.join(path, "config.json")
+    hf = _read_json(config_file, "a model config")
+    config = DSAConfig.from_hf_config(config_file, **overrides)
+    try:
+        num_nextn = check_int("num_nextn_predict_layers", hf.get("num_nextn_predict_layers", 0), minimum=0)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{config_file}: {e}") from None
+    raw, where = _read_files(path, config.num_hidden_layers, num_nextn)
+    if config.index_topk is None:
+        indexer = sorted(k for k in raw if ".indexer." in k)
+        if indexer:
+            raise ValueError(f"{where[indexer[0]]}: {indexer[0]} (and {len(indexer) - 1} more indexer tensors): "
+                             f"model_type {config.model_type!r} of {config_file} has no indexer, so they would be "
+                             "dropped; use the checkpoint's own model_type")
+    tensors = _dequantize(raw, where)
     if config.tie_word_embeddings and "lm_head.weight" not in tensors and "embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+    return config, tensors
+
+
+def match_state_dict(tensors: dict, expected: dict, path) -> dict:
+    """The tensors a model expects (``expected``: name -> shape), or ``ValueError`` naming the missing and
+    the mis-shaped ones; unused extras are logged."""
     missing = [k for k in expected if k not in tensors]
     if missing:
         more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
-        raise ValueError(f"checkpoint {path}: missing tensors {missing[:8]}{more}")
-    wrong = [f"{k}: expected {list(v.shape)}, got {list(tensors[k].shape)}" for k, v in expected.items()
-             if tuple(tensors[k].shape) != tuple(v.shape)]
+        raise ValueError(f"checkpoint {os.fspath(path)}: missing tensors {missing[:8]}{more}")
+    wrong = [f"{k}: expected {list(shape)}, got {list(tensors[k].shape)}" for k, shape in expected.items()
+             if tuple(tensors[k].shape) != tuple(shape)]
     if wrong:
-        raise ValueError(f"checkpoint {path}: mis-shaped tensors: " + "; ".join(wrong[:8]))
+        raise ValueError(f"checkpoint {os.fspath(path)}: mis-shaped tensors: " + "; ".join(wrong[:8]))
     extra = sorted(set(tensors) - set(expected))
     if extra:
         log.info("ignoring %d checkpoint tensors the model does not use, e.g. %s", len(extra), extra[:3])
-    model.load_state_dict({k: tensors[k].to(param_dtype(k, dtype)) for k in expected}, strict=True, assign=True)
-    return model.finalize(dtype, device)
+    return {k: tensors[k] for k in expected}

@@ -12,12 +12,14 @@ from torch import nn
 
 from dsa.cache import IndexerKeyCache, LatentCache
 from dsa.indexer import Selection
-from dsa.kernels import yarn_cos_sin
+from dsa.kernels import rope_at, yarn_cos_sin
 
 from .attention import DSAAttention
 from .config import DSAConfig, latent_format
 from .dispatch import load_dispatch
 from .layers import MLP, MoE, RMSNorm, is_moe_layer
+from .loading import match_state_dict, read_pretrained
+from .parallel import TensorParallel, init_tensor_parallel
 from .plan import BatchPlan
 
 FP32_PARAMS = (".mlp.gate.", ".indexer.weights_proj.")  # the router and the indexer head weights stay fp32
@@ -41,22 +43,23 @@ class Caches:
 
 @dataclass
 class StepContext:
-    """What every layer of one step reads: the plan, the caches, RoPE tables ``[>= S, D_R / 2]``;
-    ``selection`` is the top-k of the last layer that ran its indexer."""
+    """What every layer of one step reads: the plan, the caches, the rows' RoPE rotations
+    ``[T, D_R / 2]`` complex (computed once per step); ``selection`` is the top-k of the last layer
+    that ran its indexer."""
     plan: BatchPlan
     caches: Caches
-    cos: torch.Tensor
-    sin: torch.Tensor
+    rope: torch.Tensor
     selection: Selection | None = None
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DSAConfig, layer_id: int):
+    def __init__(self, config: DSAConfig, layer_id: int, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DSAAttention(config, layer_id)
+        self.self_attn = DSAAttention(config, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoE(config) if is_moe_layer(config, layer_id) else MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = (MoE(config, tp) if is_moe_layer(config, layer_id)
+                    else MLP(config.hidden_size, config.intermediate_size, tp))
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), step)
@@ -70,12 +73,13 @@ class DSAModel(nn.Module):
     temporary caches; the :class:`dsa.Engine` drives :meth:`step` over persistent ones.
     """
 
-    def __init__(self, config: DSAConfig, mha_workspace_bytes: int = 256 << 20):
+    def __init__(self, config: DSAConfig, mha_workspace_bytes: int = 256 << 20, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.config = config
+        self.tp = tp
         self.mha_workspace_bytes = mha_workspace_bytes
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._rope = None
@@ -83,10 +87,20 @@ class DSAModel(nn.Module):
     # ---- construction --------------------------------------------------------------------
     @classmethod
     def random(cls, config: DSAConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-               device=None) -> "DSAModel":
+               device=None, tp_size: int = 1, tp_check: bool = False) -> "DSAModel":
         """Random weights drawn on the target device from ``seed``: normal(0, 0.02) for matrices and
-        embeddings, norms at 1, zero biases and router bias (HF's init)."""
+        embeddings, norms at 1, zero biases and router bias (HF's init). With ``tp_size > 1`` (one
+        process per rank, see :mod:`dsa.parallel`) every rank draws the whole model and keeps its
+        shard, so the weights do not depend on the rank count; ``tp_check`` compares every layer's
+        selection across the ranks each step (a debug check)."""
         device = _default_device(device)
+        tp = init_tensor_parallel(tp_size, check_selection=tp_check)
+        if tp.size > 1:
+            full = cls.random(config, seed, dtype, device)
+            with torch.device("meta"):
+                model = cls(config, tp=tp)
+            model.load_state_dict(shard_state_dict(full.state_dict(), model, tp), strict=True, assign=True)
+            return model.finalize(dtype, device)
         with torch.device(device):
             model = cls(config)
         g = torch.Generator(device=device).manual_seed(seed)
@@ -102,9 +116,14 @@ class DSAModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.bfloat16, device=None, **overrides) -> "DSAModel":
-        """Load a HF checkpoint folder (``config.json`` + safetensors); see :mod:`dsa.loading`."""
-        from .loading import load_pretrained
-        return load_pretrained(cls, path, dtype, _default_device(device), overrides)
+        """Load a HF checkpoint folder (``config.json`` + safetensors). :mod:`dsa.loading` reads and checks
+        the config and tensors (errors name the file and tensor); the model is built here."""
+        config, tensors = read_pretrained(path, overrides)
+        with torch.device("meta"):
+            model = cls(config)
+        state = match_state_dict(tensors, {k: v.shape for k, v in model.state_dict().items()}, path)
+        model.load_state_dict({k: t.to(param_dtype(k, dtype)) for k, t in state.items()}, strict=True, assign=True)
+        return model.finalize(dtype, _default_device(device))
 
     def finalize(self, dtype: torch.dtype, device) -> "DSAModel":
         """Cast, move, absorb ``kv_b_proj``, pick the dispatch thresholds; call once after loading."""
@@ -148,6 +167,10 @@ class DSAModel(nn.Module):
             self._rope = (cos.to(self.device), sin.to(self.device))
         return self._rope
 
+    def rope_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Per-token RoPE rotations ``[T, D_R / 2]`` complex for ``positions [T]``."""
+        return rope_at(positions, *self.rope_tables())
+
     def plan_options(self) -> dict:
         """The model's keywords for :meth:`BatchPlan.build` / ``HostPlan.pack``."""
         c = self.config
@@ -173,8 +196,7 @@ class DSAModel(nn.Module):
         Returns:
             ``[R, vocab]`` fp32 logits.
         """
-        cos, sin = self.rope_tables()
-        step = StepContext(plan, caches, cos, sin)
+        step = StepContext(plan, caches, self.rope_at(plan.positions))
         x = self.embed_tokens(plan.input_ids if input_ids is None else input_ids.to(self.device))
         for layer in self.layers:
             x = layer(x, step)
@@ -195,6 +217,16 @@ class DSAModel(nn.Module):
         table = torch.arange(b * per, dtype=torch.int32).view(b, per)
         plan = self.plan([s] * b, [0] * b, table, input_ids=input_ids.reshape(-1))
         return self.step(plan, caches).view(b, s, -1)
+
+
+def shard_state_dict(full: dict, model: "DSAModel", tp: TensorParallel) -> dict:
+    """The tensors of ``full`` (an unsharded state dict) that ``model`` (built with ``tp``) holds,
+    sliced to this rank's shard."""
+    out = {}
+    for name in model.state_dict():
+        index = tp.shard(name, tuple(full[name].shape), model.config)
+        out[name] = full[name] if index is None else full[name][index].contiguous()
+    return out
 
 
 def _default_device(device):

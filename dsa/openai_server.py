@@ -423,7 +423,10 @@ def prometheus_text(m: dict) -> str:
     metric("generation_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.",
            [("", f"{m['tokens_per_second']:.3f}")])
     metric("cache_blocks_in_use", "gauge", "Cache blocks held by requests.", [("", m["blocks_in_use"])])
-    metric("cache_blocks_free", "gauge", "Cache blocks free.", [("", m["blocks_free"])])
+    metric("cache_blocks_free", "gauge", "Cache blocks a new request can get (cached prefixes included).",
+           [("", m["blocks_free"])])
+    metric("cache_blocks_cached", "gauge", "Blocks holding a named prompt prefix (in use or not).",
+           [("", m["blocks_cached"])])
     metric("rows_served_total", "counter", "Rows (tokens) served per attention path.",
            [(f'{{path="{p}"}}', m["rows"].get(p, 0)) for p in PATHS])
     return "\n".join(lines) + "\n"

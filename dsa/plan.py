@@ -83,23 +83,22 @@ def _view(buf: torch.Tensor, spec: tuple) -> torch.Tensor:
 
 
 def _block_array(block_tables, batch: int, width: int | None) -> np.ndarray:
-    if isinstance(block_tables, torch.Tensor):
-        tables = block_tables.detach().cpu().numpy()
-    elif isinstance(block_tables, np.ndarray) and block_tables.ndim == 2:
-        tables = block_tables
+    if isinstance(block_tables, (torch.Tensor, np.ndarray)):
+        tables = block_tables.detach().cpu().numpy() if isinstance(block_tables, torch.Tensor) else block_tables
+        if tables.ndim != 2 or tables.shape[0] != batch:
+            raise ValueError(f"block_tables: expected [B={batch}, MB], got {list(tables.shape)}")
+        rows = tables
     else:
-        rows = [np.asarray(t, dtype=np.int64).reshape(-1) for t in block_tables]
+        rows = [t if isinstance(t, np.ndarray) else np.asarray(t, dtype=np.int64).reshape(-1) for t in block_tables]
         if len(rows) != batch:
             raise ValueError(f"block_tables: expected {batch} rows (one per request), got {len(rows)}")
-        mb = max([len(r) for r in rows] + [1])
-        tables = np.zeros((batch, mb), dtype=np.int64)
-        for i, r in enumerate(rows):
-            tables[i, :len(r)] = r
-    if tables.ndim != 2 or tables.shape[0] != batch:
-        raise ValueError(f"block_tables: expected [B={batch}, MB], got {list(tables.shape)}")
-    if width is not None:  # a graph bucket's width: columns past it are never read (S <= width * P)
-        tables = np.pad(tables, ((0, 0), (0, max(0, width - tables.shape[1]))))[:, :width]
-    return tables
+    # a graph bucket's width: columns past it are never read (S <= width * P)
+    width = width if width is not None else max([len(r) for r in rows] + [1])
+    out = np.zeros((batch, width), dtype=np.int32)
+    for i, r in enumerate(rows):
+        n = min(len(r), width)
+        out[i, :n] = r[:n]
+    return out
 
 
 @dataclass
@@ -192,8 +191,8 @@ class HostPlan:
                 ``max_seq_len`` and block tables ``num_block_columns`` wide: a CUDA graph bucket.
         """
         device = torch.device(device)
-        q = np.asarray([int(v) for v in query_lens], dtype=np.int64)
-        c = np.asarray([int(v) for v in context_lens], dtype=np.int64)
+        q = np.asarray(query_lens, dtype=np.int64).reshape(-1)
+        c = np.asarray(context_lens, dtype=np.int64).reshape(-1)
         if q.shape != c.shape:
             raise ValueError(f"context_lens: expected {len(q)} entries (one per request), got {len(c)}")
         if (q < 1).any() or (c < 0).any():
@@ -231,12 +230,12 @@ class HostPlan:
         # routing: decode rows, then per prefill request its dense rows and its sparse rows
         limit = index_topk if index_topk is not None else np.iinfo(np.int64).max
         rows = {p: 0 for p in PATHS}
-        decode_reqs, dense_segs, sparse_segs, workspace = [], [], [], 0
-        for i in range(real):
-            if q[i] == 1:
-                decode_reqs.append(i)
-                rows["dense_decode" if seq[i] <= limit else "sparse_decode"] += 1
-                continue
+        is_decode = q[:real] == 1
+        decode_reqs = np.flatnonzero(is_decode).tolist()
+        sparse_decode = int((seq[:real][is_decode] > limit).sum())
+        rows["sparse_decode"], rows["dense_decode"] = sparse_decode, len(decode_reqs) - sparse_decode
+        dense_segs, sparse_segs, workspace = [], [], 0
+        for i in np.flatnonzero(~is_decode).tolist():
             dense = int(max(0, min(q[i], limit - c[i])))  # rows whose range [0, pos] fits in index_topk
             if dense:
                 s = int(c[i]) + dense

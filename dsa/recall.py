@@ -89,13 +89,13 @@ def capture_layer_inputs(model, ids: torch.Tensor) -> list:
     return inputs
 
 
-def indexer_logits(indexer, x, qr, positions, cos, sin, queries, precision: str) -> torch.Tensor:
+def indexer_logits(indexer, x, qr, rot, queries, precision: str) -> torch.Tensor:
     """``[Q, S]`` fp32 logits of the sampled ``queries`` (positions) against every key, -inf past each query."""
     from dsa.kernels import hadamard, indexer_logits_ragged, indexer_query_prep, quant_ue8m0
     from dsa.kernels.indexer_query_prep import weight_scale
 
     c = indexer.config
-    q, k, w = indexer.project(x, qr, positions, cos, sin)
+    q, k, w = indexer.project(x, qr, rot)
     q, w = q[queries], w[queries]
     ends = (queries + 1).to(torch.int32)
     starts = torch.zeros_like(ends)
@@ -108,9 +108,9 @@ def indexer_logits(indexer, x, qr, positions, cos, sin, queries, precision: str)
     return indexer_logits_ragged(q8, weights, k8, k_scale[:, 0].contiguous(), starts, ends)
 
 
-def attention_mass(attn, x, positions, cos, sin, queries, chunk: int = 8) -> torch.Tensor:
+def attention_mass(attn, x, rot, queries, chunk: int = 8) -> torch.Tensor:
     """``[Q, S]`` float32 softmax attention of the sampled queries, averaged over heads."""
-    _, q_nope, q_pe, kv_c, k_pe = attn.project(x, positions, cos, sin)
+    _, q_nope, q_pe, kv_c, k_pe = attn.project(x, rot)
     q_abs = attn.absorbed_query(q_nope[queries], q_pe[queries]).float()  # [Q, H, 576]
     keys = torch.cat((kv_c, k_pe), dim=-1).float()  # [S, 576]
     out = []
@@ -132,7 +132,7 @@ def measure(model, ids: torch.Tensor, ks: list, num_queries: int, seed: int, pro
     g = torch.Generator().manual_seed(seed)
     queries = torch.randperm(s, generator=g)[:num_queries].sort().values.to(model.device)
     positions = torch.arange(s, device=model.device)
-    cos, sin = model.rope_tables()
+    rot = model.rope_at(positions)
     inputs = capture_layer_inputs(model, ids.to(model.device))
     layers, by_k = [], {k: {"mass": [], "best": [], "fp8_vs_exact": []} for k in ks}
     by_pos = {"position": queries.tolist(), "mass_recall": [], "best_mass_recall": []}
@@ -140,12 +140,12 @@ def measure(model, ids: torch.Tensor, ks: list, num_queries: int, seed: int, pro
     k_model = cfg.index_topk
     for i, (layer, x) in enumerate(tqdm(list(zip(model.layers, inputs)), desc="recall", disable=not progress)):
         attn = layer.self_attn
-        qr = attn.project(x, positions, cos, sin)[0]
-        mass = attention_mass(attn, x, positions, cos, sin, queries)  # [Q, S]
+        qr = attn.project(x, rot)[0]
+        mass = attention_mass(attn, x, rot, queries)  # [Q, S]
         own_fp8 = own_exact = None
         if attn.indexer is not None:
-            own_fp8 = indexer_logits(attn.indexer, x, qr, positions, cos, sin, queries, "fp8")
-            own_exact = indexer_logits(attn.indexer, x, qr, positions, cos, sin, queries, "exact")
+            own_fp8 = indexer_logits(attn.indexer, x, qr, rot, queries, "fp8")
+            own_exact = indexer_logits(attn.indexer, x, qr, rot, queries, "exact")
             last_scores = own_fp8
         used = own_fp8 if own_fp8 is not None else last_scores
         record = {"layer": i, "runs_indexer": layer_runs_indexer(cfg, i)}

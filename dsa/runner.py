@@ -35,7 +35,8 @@ def batch_bucket(rows: int) -> int | None:
 
 @dataclass
 class StepResult:
-    """One step's logits (one row per request, fp32) and what the plan says about it."""
+    """One step's logits (one row per request, fp32) and what the plan says about it. Replayed
+    logits are a view of the graph's output: read them before the next step."""
     logits: torch.Tensor  # [B, vocab] fp32
     rows: dict  # rows served per path (dsa.plan.PATHS)
     workspace_bytes: int  # the MHA workspace the step needed
@@ -69,7 +70,10 @@ class ModelRunner:
         q = [n for _, n in batch]
         c = [r.computed for r, _ in batch]
         tables = [r.block_array for r, _ in batch]
-        ids = np.concatenate([np.asarray(r.tokens[r.computed:r.computed + n], dtype=np.int32) for r, n in batch])
+        if all(n == 1 for n in q):
+            ids = np.fromiter((r.tokens[r.computed] for r, _ in batch), dtype=np.int32, count=len(batch))
+        else:
+            ids = np.concatenate([np.asarray(r.tokens[r.computed:r.computed + n], dtype=np.int32) for r, n in batch])
         opts = self.model.plan_options()
         if self.use_graphs and all(n == 1 for n in q) and batch_bucket(len(q)) is not None:
             p = self.model.config.block_size

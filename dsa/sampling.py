@@ -93,6 +93,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
+GREEDY = SamplingParams(temperature=0.0)  # a request's sampling when nothing else is said (its length aside)
+
+
 # ---- counter-based noise -------------------------------------------------------------------
 def _mul32(x, c: int):
     """``x * c mod 2**32`` for 32-bit ``x`` in int64 (split so no product overflows int64)."""

@@ -1,17 +1,21 @@
 """Scheduler: the waiting and running requests, their blocks, and the rows each step serves.
 
 A request reserves blocks for ``len(prompt) + max_new_tokens`` when it is admitted (no preemption,
-no deadlock); requests that do not fit yet wait in order. Each step serves every decoding request
-one token, then fills the rest of ``max_batch_tokens`` with prefill chunks, oldest first. A request
-leaves by :meth:`Scheduler.finish` (running) or :meth:`Scheduler.remove` (running or waiting);
-either frees its blocks at once.
+no deadlock), reusing the cached blocks of its prompt's prefix (:class:`dsa.blocks.BlockManager`);
+requests that do not fit yet wait in order. Each step serves every decoding request one token, then
+fills the rest of ``max_batch_tokens`` with prefill chunks, oldest first. A request leaves by
+:meth:`Scheduler.finish` (running) or :meth:`Scheduler.remove` (running or waiting); either
+releases its blocks at once.
 """
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from dsa.cache import BlockAllocator, CacheFullError
+from dsa.cache import CacheFullError
+
+from .blocks import BlockManager
+from .sampling import GREEDY, SamplingParams
 
 
 @dataclass(eq=False)
@@ -22,9 +26,10 @@ class Request:
     max_new_tokens: int
     blocks: list = field(default_factory=list)
     block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # blocks, for the step plan
-    computed: int = 0  # tokens whose latent rows are in the caches
+    block_names: list = field(default_factory=list)  # prefix-cache names of its full blocks, in order
+    computed: int = 0  # tokens whose latent rows and indexer keys are in the caches
     # what the engine needs to sample and report (the scheduler does not read these)
-    sampling: object = None  # SamplingParams
+    sampling: SamplingParams = GREEDY
     seed: int = 0  # the noise key of its sampled tokens
     text: object = None  # TextOutput, when the engine has a tokenizer
     on_output: object = None  # callable(Delta), called by whichever thread steps; must not raise
@@ -39,10 +44,11 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, num_blocks: int, block_size: int, max_batch_tokens: int):
+    def __init__(self, num_blocks: int, block_size: int, max_batch_tokens: int, *, prefix_caching: bool = True,
+                 namespace: str = ""):
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
-        self.allocator = BlockAllocator(num_blocks)
+        self.blocks = BlockManager(num_blocks, block_size, namespace, prefix_caching)
         self.waiting: deque = deque()
         self.running: dict = {}  # rid -> Request, in admission order
 
@@ -59,7 +65,7 @@ class Scheduler:
         while self.waiting:
             req = self.waiting[0]
             try:
-                req.blocks = self.allocator.allocate(self.blocks_for(len(req.tokens) + req.max_new_tokens))
+                self.blocks.allocate(req, len(req.tokens) + req.max_new_tokens)
             except CacheFullError:
                 return  # in order: later requests wait behind it
             req.block_array = np.asarray(req.blocks, dtype=np.int32)
@@ -68,24 +74,32 @@ class Scheduler:
     def schedule(self) -> list:
         """Admit what fits, then pick this step's ``[(request, new rows)]``: decode rows first."""
         self._admit()
-        batch, budget = [], self.max_batch_tokens
-        reqs = self.running.values()
-        for req in [r for r in reqs if not r.prefilling] + [r for r in reqs if r.prefilling]:
-            n = min(req.prompt_len - req.computed, budget) if req.prefilling else 1
-            if n <= 0 or budget <= 0:
+        decode, prefill = [], []
+        for req in self.running.values():
+            (prefill if req.computed < req.prompt_len else decode).append(req)
+        batch = [(req, 1) for req in decode[:self.max_batch_tokens]]
+        budget = self.max_batch_tokens - len(batch)
+        for req in prefill:
+            if budget <= 0:
                 break
+            n = min(req.prompt_len - req.computed, budget)
             batch.append((req, n))
             budget -= n
         return batch
 
+    def advance(self, req: Request, rows: int) -> None:
+        """``rows`` more tokens of ``req`` are in the caches (its full blocks get prefix-cache names)."""
+        req.computed += rows
+        self.blocks.name_full_blocks(req)
+
     def finish(self, req: Request) -> None:
-        """Free a running request's blocks and forget it."""
-        self.allocator.free(req.blocks)
-        req.blocks, req.block_array = [], np.zeros(0, np.int32)
+        """Release a running request's blocks (cached ones stay cached) and forget it."""
+        self.blocks.free(req)
+        req.block_array = np.zeros(0, np.int32)
         del self.running[req.rid]
 
     def remove(self, req: Request) -> bool:
-        """Take a request out wherever it is (running: its blocks are freed); False if it is in neither."""
+        """Take a request out wherever it is (running: its blocks are released); False if it is in neither."""
         if req.rid in self.running:
             self.finish(req)
             return True

@@ -1,5 +1,9 @@
-"""Helpers shared by the kernel tests and benchmarks: paged inputs, poisoning, comparisons."""
+"""Helpers shared by the kernel tests and benchmarks: paged inputs, poisoning, guard regions, comparisons."""
 import torch
+
+from dsa.kernels.slots import positions_to_slots_reference
+
+GUARD_BYTE = 0xFF  # NaN in e4m3, bf16 and fp32: a read of a guard region poisons the result
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -30,11 +34,12 @@ def random_block_tables(seq_lens: list[int], block_size: int, *, extra_blocks: i
 
 def owned_slots(block_table: torch.Tensor, seq_lens, block_size: int) -> torch.Tensor:
     """int64 slots of positions ``0 .. S_b - 1`` of every request, concatenated."""
-    out = []
-    for b, s in enumerate(seq_lens):
-        pos = torch.arange(int(s), device=block_table.device)
-        out.append(block_table[b].long()[pos // block_size] * block_size + pos % block_size)
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=block_table.device)
+    lens = torch.as_tensor(seq_lens, dtype=torch.int32).to(block_table.device)
+    width = int(lens.max()) if len(lens) else 0
+    positions = torch.arange(width, dtype=torch.int32, device=block_table.device).expand(len(lens), width)
+    slots = positions_to_slots_reference(positions, block_table, torch.arange(len(lens), dtype=torch.int32,
+                                         device=block_table.device), lens, block_size)
+    return slots[positions < lens[:, None].long()].long()
 
 
 def poison_unowned_rows(cache: torch.Tensor, owned: torch.Tensor) -> None:
@@ -56,3 +61,18 @@ def poison_unowned_indexer_rows(cache: torch.Tensor, owned: torch.Tensor, block_
     keep = keep.view(cache.shape[0], block_size)
     k8.view(torch.uint8)[~keep] = 0xFF
     scale.view(torch.int32)[~keep] = -1  # 0xFFFFFFFF: NaN
+
+
+class Guarded:
+    """A tensor allocated inside a larger byte buffer whose ``guard`` bytes on each side hold
+    :data:`GUARD_BYTE`: :meth:`intact` tells whether anything wrote outside the tensor, and a kernel
+    that reads outside it reads NaN."""
+
+    def __init__(self, shape, dtype, device, guard_bytes: int):
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        self.guard = -(-guard_bytes // 16) * 16  # keeps the tensor 16-byte aligned
+        self.buffer = torch.full((self.guard + nbytes + self.guard,), GUARD_BYTE, dtype=torch.uint8, device=device)
+        self.tensor = self.buffer[self.guard:self.guard + nbytes].view(dtype).view(shape)
+
+    def intact(self) -> bool:
+        return bool((self.buffer[:self.guard] == GUARD_BYTE).all() and (self.buffer[-self.guard:] == GUARD_BYTE).all())

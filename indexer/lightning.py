@@ -20,7 +20,7 @@ from torch import nn
 from dsa.cache import IndexerKeyCache, gather_indexer_keys, write_indexer_keys
 from dsa.config import DSAConfig
 from .batch import IndexerBatch, Selection
-from dsa.kernels import (apply_rope, indexer_logits_paged, indexer_logits_ragged, indexer_query_prep, topk_slots)
+from dsa.kernels import indexer_logits_paged, indexer_logits_ragged, indexer_query_prep, rope_rotate, topk_slots
 from dsa.kernels.indexer_query_prep import weight_scale
 
 RAGGED_CHUNK_ELEMS = 1 << 26  # rows x keys per ragged logits call (256 MiB of fp32 logits)
@@ -39,26 +39,26 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(di, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, hi, bias=False)
 
-    def project(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, cos, sin):
-        """``(q [T, HI, DI], k [T, DI], w [T, HI] fp32)`` after RoPE, in the model dtype."""
+    def project(self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor):
+        """``(q [T, HI, DI], k [T, DI], w [T, HI] fp32)`` after RoPE on the first ``D_R`` dims, in the
+        model dtype; ``rot [T, D_R / 2]`` from :func:`dsa.kernels.rope_at`."""
         c = self.config
-        t = x.shape[0]
+        t, r = x.shape[0], c.qk_rope_head_dim
         q = self.wq_b(qr).view(t, c.index_n_heads, c.index_head_dim)
         k = F.layer_norm(self.wk(x).float(), (c.index_head_dim,), self.k_norm.weight.float(),
                          self.k_norm.bias.float(), self.k_norm.eps).to(x.dtype)
-        r = c.qk_rope_head_dim
-        q = torch.cat((apply_rope(q[..., :r], positions, cos, sin, c.indexer_rope_interleave), q[..., r:]), dim=-1)
-        k = torch.cat((apply_rope(k[:, :r], positions, cos, sin, c.indexer_rope_interleave), k[:, r:]), dim=-1)
+        q = torch.cat((rope_rotate(q[..., :r], rot, c.indexer_rope_interleave), q[..., r:]), dim=-1)
+        k = torch.cat((rope_rotate(k[:, :r], rot, c.indexer_rope_interleave), k[:, r:]), dim=-1)
         w = F.linear(x.float(), self.weights_proj.weight.float())  # [T, HI] fp32, whatever the model dtype
         return q, k, w
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: IndexerBatch, cache: IndexerKeyCache, cos,
-                sin) -> Selection:
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: IndexerBatch, cache: IndexerKeyCache,
+                rot: torch.Tensor) -> Selection:
         """Write this step's keys; return the top-k slots of the batch's sparse rows (decode rows
         whose context fits in ``index_topk`` get every position: top-k's answer for them)."""
         c, k = self.config, self.config.index_topk
         exact = c.indexer_precision == "exact"
-        q, key, w = self.project(x, qr, batch.positions, cos, sin)
+        q, key, w = self.project(x, qr, rot)
         write_indexer_keys(cache, key, batch.slot_mapping, hadamard=c.indexer_hadamard and not exact)
         d = batch.decode
         if (d is None or d.every_position is not None) and not batch.prefill:

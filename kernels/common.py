@@ -1,4 +1,6 @@
 """Input validation and backend choice shared by the public ops of ``dsa.kernels``."""
+import math
+import numbers
 import os
 
 import torch
@@ -52,10 +54,30 @@ def check_same_device(**tensors) -> torch.device:
     return first
 
 
+def check_int(name: str, value, *, minimum: int | None = None) -> int:
+    """``value`` as a Python int; TypeError naming ``name`` unless it is an integer (Python or numpy;
+    never a bool, a float or a tensor), ValueError when it is below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_real(name: str, value, *, positive: bool = False) -> float:
+    """``value`` as a float: TypeError naming ``name`` unless it is a real number (never a bool, a string
+    or a tensor), ValueError unless it is finite (and > 0 with ``positive``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name}: expected a finite number{' > 0' if positive else ''}, got {value!r}")
+    return value
+
+
 def check_block_size(block_size, *, name: str = "block_size") -> int:
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"{name}: expected a positive int, got {block_size!r}")
-    return block_size
+    return check_int(name, block_size, minimum=1)
 
 
 def resolve_backend(backend: str, device: torch.device, op: str, *, triton_dtypes_ok: bool = True,

@@ -1,57 +1,74 @@
-"""indexer_logits_paged: decode-row indexer logits over the paged FP8 key cache."""
+"""indexer_logits_paged: decode-row indexer logits over the paged FP8 key cache.
+
+Ids outside their range read nothing: a position whose block id (``block_table[b, pos // P]``) is
+outside ``[0, NB)``, or whose page is past the block table, is invalid (``-inf``), on every backend,
+without a host sync.
+"""
 import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import check_block_size, check_same_device, check_tensor, compute_dtype, resolve_backend
+from .common import check_block_size, check_int, check_same_device, check_tensor, compute_dtype, resolve_backend
 from .layouts import INDEXER_SCALE_BYTES, indexer_cache_views
 
 
 def _paged_keys(index_cache, block_table_row, positions, block_size, dtype):
-    """Keys and scales of one request at ``positions`` (all inside its block table)."""
+    """Keys and scales of one request at ``positions`` (all inside its block table), and whether each
+    position's block id is in ``[0, NB)``: keys of the others are zeros, never read."""
     blocks = block_table_row.long()[positions // block_size]
+    ok = (blocks >= 0) & (blocks < index_cache.shape[0])
+    blocks = torch.where(ok, blocks, 0)
     offsets = positions % block_size
     if index_cache.dtype == torch.uint8:  # FP8 planar cache
         k8, scale = indexer_cache_views(index_cache, block_size)
-        return k8[blocks, offsets].to(dtype), scale[blocks, offsets].to(dtype)
-    return index_cache[blocks, offsets].to(dtype), None  # exact cache [NB, P, DI]
+        k, k_scale = k8[blocks, offsets].to(dtype), scale[blocks, offsets].to(dtype)
+        return k.masked_fill(~ok[:, None], 0), k_scale.masked_fill(~ok, 0), ok
+    return index_cache[blocks, offsets].to(dtype).masked_fill(~ok[:, None], 0), None, ok  # exact [NB, P, DI]
+
+
+def _width(seq_lens, max_seq_len):
+    """``max_seq_len``, or ``max(seq_lens)`` (0 for an empty batch or no positive length: a host sync)."""
+    if max_seq_len is not None:
+        return max_seq_len
+    return max(0, int(seq_lens.max())) if seq_lens.numel() else 0
 
 
 def indexer_logits_paged_reference(q8, weights, index_cache, block_table, seq_lens, block_size, max_seq_len=None):
     b, n, hi, di = q8.shape
-    width = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    width = _width(seq_lens, max_seq_len)
     dt = compute_dtype(q8, weights, index_cache if index_cache.is_floating_point() else None)
     logits = torch.full((b * n, width), float("-inf"), dtype=torch.float32, device=q8.device)
     lengths = seq_lens.tolist()
     chunk = max(1, (1 << 24) // max(1, n * hi))  # bounds the [N, HI, chunk] temporaries
     for r in range(b):
         # causal: query j of request r sees positions [0, S_r - N + j]
-        visible = min(lengths[r], width, block_table.shape[1] * block_size)
+        visible = min(lengths[r], width, block_table.shape[1] * block_size) if index_cache.shape[0] else 0
         q = q8[r].to(dt)  # [N, HI, DI]
         w = weights[r].to(dt)  # [N, HI]
         for s0 in range(0, visible, chunk):
             pos = torch.arange(s0, min(visible, s0 + chunk), device=q8.device)
-            k, k_scale = _paged_keys(index_cache, block_table[r], pos, block_size, dt)  # [C, DI], [C]
+            k, k_scale, ok = _paged_keys(index_cache, block_table[r], pos, block_size, dt)  # [C, DI], [C], [C]
             score = torch.einsum("nh,nhc->nc", w, torch.relu(torch.einsum("nhd,cd->nhc", q, k)))
             if k_scale is not None:
                 score = score * k_scale
             last = lengths[r] - n + torch.arange(n, device=q8.device)  # [N] last visible position
-            score = torch.where(pos[None, :] <= last[:, None], score, float("-inf"))
+            score = torch.where(ok[None, :] & (pos[None, :] <= last[:, None]), score, float("-inf"))
             logits[r * n:(r + 1) * n, s0:s0 + len(pos)] = score.float()
     return logits
 
 
 @triton.jit
 def _indexer_logits_paged_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr, stride_block,
-                                 stride_table, num_table_blocks, width, tiles_per_prog,
+                                 stride_table, num_table_blocks, num_blocks, width, tiles_per_prog,
                                  N: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                                  HI_PAD: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
     # program (b * groups + g, split): query tokens [g*G, g*G + G) of request b (all their heads: the
     # dot's N dim) against key tiles [split * tiles_per_prog, ...) of BLOCK_S positions (its M dim).
     # Each key record is read once per group (once per request when G == N). stride_block: bytes
-    # per cache block (a multiple of 4); the fp32 view of the cache indexes it in words.
+    # per cache block (a multiple of 4); the fp32 view of the cache indexes it in words. A position whose
+    # block id is outside [0, num_blocks) reads nothing and is -inf.
     GROUPS: tl.constexpr = (N + G - 1) // G
     M: tl.constexpr = G_PAD * HI_PAD
     pid = tl.program_id(0)
@@ -83,26 +100,26 @@ def _indexer_logits_paged_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, le
     # Key scales are prefetched one tile ahead and their block ids two ahead: Triton pipelines only
     # the loads that feed the dot, and a plain load in the loop would expose the HBM latency.
     pos_next = s_begin + tl.arange(0, BLOCK_S)
-    block_next = tl.load(table_row + pos_next // P, mask=pos_next < compute_end, other=0).to(tl.int64)
-    k_scale_next = tl.load(scale_base + block_next * (stride_block // 4) + pos_next % P, mask=pos_next < compute_end,
-                           other=0.0)
+    block_next = tl.load(table_row + pos_next // P, mask=pos_next < compute_end, other=-1).to(tl.int64)
+    k_scale_next = tl.load(scale_base + block_next * (stride_block // 4) + pos_next % P,
+                           mask=(block_next >= 0) & (block_next < num_blocks), other=0.0)
     pos_next += BLOCK_S
-    block_next = tl.load(table_row + pos_next // P, mask=pos_next < compute_end, other=0).to(tl.int64)
+    block_next = tl.load(table_row + pos_next // P, mask=pos_next < compute_end, other=-1).to(tl.int64)
     for tile in range(0, compute_tiles):
         pos = s_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S]
-        inside = pos < compute_end
-        block = tl.load(table_row + pos // P, mask=inside, other=0).to(tl.int64)
-        k = tl.load(val_ptr + (block * stride_block + (pos % P) * D)[:, None] + d[None, :], mask=inside[:, None],
+        block = tl.load(table_row + pos // P, mask=pos < compute_end, other=-1).to(tl.int64)
+        key_ok = (block >= 0) & (block < num_blocks)  # also False past compute_end
+        k = tl.load(val_ptr + (block * stride_block + (pos % P) * D)[:, None] + d[None, :], mask=key_ok[:, None],
                     other=0.0, eviction_policy="evict_first")  # [BLOCK_S, D] e4m3, read once
         k_scale = k_scale_next  # [BLOCK_S] fp32
         k_scale_next = tl.load(scale_base + block_next * (stride_block // 4) + pos_next % P,
-                               mask=pos_next < compute_end, other=0.0)
+                               mask=(block_next >= 0) & (block_next < num_blocks), other=0.0)
         pos_next += BLOCK_S
-        block_next = tl.load(table_row + pos_next // P, mask=pos_next < compute_end, other=0).to(tl.int64)
+        block_next = tl.load(table_row + pos_next // P, mask=pos_next < compute_end, other=-1).to(tl.int64)
         score = tl.dot(k, q_t)  # [BLOCK_S, M] fp32
         score = tl.maximum(score, 0.0) * w[None, :]
         logit = tl.sum(tl.reshape(score, [BLOCK_S, G_PAD, HI_PAD]), axis=2) * k_scale[:, None]  # [BLOCK_S, G_PAD]
-        logit = tl.where(inside[:, None] & (pos[:, None] <= last[None, :]), logit, float("-inf"))
+        logit = tl.where(key_ok[:, None] & (pos[:, None] <= last[None, :]), logit, float("-inf"))
         tl.store(out_ptr + out_row[None, :] + pos[:, None], logit, mask=row_ok[None, :] & (pos < s_end)[:, None])
     minus_inf = tl.full([BLOCK_S, G_PAD], float("-inf"), tl.float32)
     for tile in range(compute_tiles, tiles_per_prog):
@@ -130,9 +147,9 @@ def _paged_config(n: int, hi: int) -> tuple[int, int, int, int, int]:
 
 def _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens, block_size, max_seq_len):
     b, n, hi, di = q8.shape
-    width = int(seq_lens.max()) if max_seq_len is None else max_seq_len  # None: a host sync
+    width = _width(seq_lens, max_seq_len)  # None: a host sync
     logits = torch.empty((b * n, width), dtype=torch.float32, device=q8.device)
-    if b == 0 or width == 0:
+    if b * n == 0 or width == 0:
         return logits
     q8, weights = q8.contiguous(), weights.contiguous()
     block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
@@ -144,7 +161,8 @@ def _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens
     grid = (programs, triton.cdiv(tiles, tiles_per_prog))
     _indexer_logits_paged_kernel[grid](
         q8, weights, index_cache.view(torch.float8_e4m3fn), index_cache.view(torch.float32), block_table, seq_lens,
-        logits, index_cache.stride(0), block_table.stride(0), block_table.shape[1], width, tiles_per_prog,
+        logits, index_cache.stride(0), block_table.stride(0), block_table.shape[1], index_cache.shape[0], width,
+        tiles_per_prog,
         N=n, HI=hi, G=g, G_PAD=g_pad, HI_PAD=hi_pad, P=block_size, D=di, BLOCK_S=block_s,
         num_warps=num_warps, num_stages=3)
     return logits
@@ -161,15 +179,17 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
         weights: ``[B, N, HI]`` float32, the head weights with the query scales folded in.
         index_cache: ``uint8 [NB, P * (DI + 4)]`` planar FP8 cache, or an exact cache
             ``[NB, P, DI]`` (bfloat16/float32/float64, reference only).
-        block_table: ``[B, MB]`` int32, block ids of each request's positions.
-        seq_lens: ``[B]`` int32, ``S`` of each request (its new ``N`` tokens included).
+        block_table: ``[B, MB]`` int32, block ids of each request's positions; an id outside
+            ``[0, NB)`` is read as no block (its positions are ``-inf``).
+        seq_lens: ``[B]`` int32, ``S`` of each request (its new ``N`` tokens included); any value.
         block_size: ``P``.
-        max_seq_len: output width ``W``; ``int(seq_lens.max())`` when None (a host sync).
+        max_seq_len: output width ``W``; ``max(0, max(seq_lens))`` when None (a host sync; 0 when B=0).
 
     Returns:
         ``logits [B * N, W]`` float32: row ``b * N + j`` holds
         ``sum_h weights[h] * relu(q8[h] . k8[s]) * k_scale[s]`` on ``[0, seq_lens[b] - N + j]``
-        and ``-inf`` elsewhere (also past the block table).
+        and ``-inf`` elsewhere: past the block table and in blocks whose id is outside ``[0, NB)``
+        too. B, N or W = 0 give an empty ``[B * N, W]``; NB = 0 gives all ``-inf``.
 
     The Triton kernel (CUDA, FP8 cache; ``1 <= HI <= 128``, ``DI`` in 32..256, ``P`` a multiple
     of 16, a contiguous cache) reads each key record once per request and scores it against all
@@ -180,6 +200,7 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
     b, n, hi, di = q8.shape
     block_size = check_block_size(block_size)
     check_tensor("weights", weights, dtype=torch.float32, shape=(b, n, hi))
+    check_tensor("index_cache", index_cache)
     exact = index_cache.is_floating_point()
     if exact:
         check_tensor("index_cache", index_cache, shape=(None, block_size, di))
@@ -190,8 +211,8 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
         check_tensor("q8", q8, dtype=torch.float8_e4m3fn)
     check_tensor("block_table", block_table, dtype=torch.int32, shape=(b, None))
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(b,))
-    if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 0):
-        raise ValueError(f"max_seq_len: expected None or a non-negative int, got {max_seq_len!r}")
+    if max_seq_len is not None:
+        max_seq_len = check_int("max_seq_len", max_seq_len, minimum=0)
     device = check_same_device(q8=q8, weights=weights, index_cache=index_cache, block_table=block_table,
                                seq_lens=seq_lens)
     impl = resolve_backend(backend, device, "indexer_logits_paged", triton_dtypes_ok=not exact, block_size=block_size)

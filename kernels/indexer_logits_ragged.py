@@ -129,6 +129,7 @@ def indexer_logits_ragged(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Ten
     check_tensor("q8", q8, shape=3)
     t, hi, di = q8.shape
     check_tensor("weights", weights, dtype=torch.float32, shape=(t, hi))
+    check_tensor("k8", k8)
     exact = k8.is_floating_point() and k8.dtype != torch.float8_e4m3fn
     check_tensor("k8", k8, shape=(None, di))
     if exact:

@@ -4,7 +4,8 @@ import triton
 import triton.language as tl
 
 from .common import FLOAT_DTYPES, check_same_device, check_tensor, resolve_backend
-from .indexer_key_write import hadamard_rows, ue8m0_quant_rows
+from .indexer_key_write import hadamard_rows, nan_to_canonical, ue8m0_quant_rows
+from .layouts import canonical_nan
 from .quant import hadamard_reference, quant_ue8m0_reference
 
 
@@ -15,11 +16,13 @@ def weight_scale(heads: int, head_dim: int) -> float:
 
 def indexer_query_prep_reference(q, w, hadamard):
     t, hi, di = q.shape
+    if t * hi == 0:
+        return torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device), w.new_empty((t, hi))
     if hadamard:
         q = hadamard_reference(q)
     q8, q_scale = quant_ue8m0_reference(q, group=di)  # [T, HI, DI] e4m3, [T, HI, 1] fp32
     weights = w.float() * weight_scale(hi, di) * q_scale[..., 0]  # [T, HI] fp32
-    return q8, weights
+    return q8, canonical_nan(weights)
 
 
 @triton.jit
@@ -38,7 +41,7 @@ def _indexer_query_prep_kernel(q_ptr, w_ptr, q8_ptr, out_w_ptr, num_rows, folded
     q8, scale = ue8m0_quant_rows(x)  # [BLOCK_R, D] e4m3, [BLOCK_R] fp32
     tl.store(q8_ptr + rows[:, None] * D + cols[None, :], q8, mask=in_range[:, None])
     w = tl.load(w_ptr + rows, mask=in_range, other=0.0)  # [BLOCK_R] fp32
-    tl.store(out_w_ptr + rows, w * folded * scale, mask=in_range)  # the reference's order
+    tl.store(out_w_ptr + rows, nan_to_canonical(w * folded * scale), mask=in_range)  # the reference's order
 
 
 def _indexer_query_prep_triton(q, w, hadamard):
@@ -52,7 +55,7 @@ def _indexer_query_prep_triton(q, w, hadamard):
         return q8, weights
     block_r = 16
     _indexer_query_prep_kernel[(triton.cdiv(rows, block_r),)](
-        q, w, q8, weights, rows, weight_scale(hi, di), di ** -0.5, D=di, LOG2_D=di.bit_length() - 1,
+        q, w, q8.view(torch.uint8), weights, rows, weight_scale(hi, di), di ** -0.5, D=di, LOG2_D=di.bit_length() - 1,
         BLOCK_R=block_r, HADAMARD=bool(hadamard), num_warps=4)
     return q8, weights
 
@@ -70,11 +73,15 @@ def indexer_query_prep(q: torch.Tensor, w: torch.Tensor, hadamard: bool, *,
     Returns:
         ``(q8 [T, HI, DI] float8_e4m3fn, weights [T, HI] float32)`` with one ue8m0 scale
         ``s`` per (token, head), ``q8 = clamp(q / s, -448, 448)`` and
-        ``weights = w * (HI**-0.5 * DI**-0.5) * s``. The Triton kernel (one launch, 16 rows a
-        program) gives the same bytes as the reference.
+        ``weights = w * (HI**-0.5 * DI**-0.5) * s``. A (token, head) row holding NaN or +-inf is
+        NaN (bytes ``0x7F``, ``s`` = NaN), and every NaN weight is written as ``0x7FC00000``
+        (``dsa.kernels.layouts``). The Triton kernel (one launch, 16 rows a program) gives the
+        same bytes as the reference, whatever ``q`` and ``w`` hold. T = 0 gives empty outputs.
     """
     check_tensor("q", q, dtype=FLOAT_DTYPES, shape=3)
     t, hi, di = q.shape
+    if di < 1 or (hadamard and di & (di - 1)):
+        raise ValueError(f"q: expected DI >= 1 (a power of two with hadamard), got shape {list(q.shape)}")
     check_tensor("w", w, dtype=torch.float32, shape=(t, hi))
     device = check_same_device(q=q, w=w)
     impl = resolve_backend(backend, device, "indexer_query_prep", triton_dtypes_ok=q.dtype == torch.bfloat16)

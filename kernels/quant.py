@@ -5,14 +5,14 @@ same arithmetic, in the same order, and are tested byte-for-byte against these.
 """
 import torch
 
-from .common import FLOAT_DTYPES, check_tensor, compute_dtype, torch_only
-from .layouts import FP8_MAX, indexer_key_scale
+from .common import FLOAT_DTYPES, check_int, check_tensor, compute_dtype, torch_only
+from .layouts import encode_fp8_groups, indexer_key_scale
 
 
 def quant_ue8m0_reference(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.to(compute_dtype(x)).unflatten(-1, (-1, group))  # [..., G, group]
     scale = indexer_key_scale(xf.abs().amax(dim=-1))  # [..., G] fp32, power of two
-    x8 = (xf / scale.to(xf.dtype).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    x8, scale = encode_fp8_groups(xf, scale)  # groups holding NaN/inf become NaN
     return x8.flatten(-2), scale
 
 
@@ -26,11 +26,14 @@ def quant_ue8m0(x: torch.Tensor, group: int = 128, *, backend: str = "auto") -> 
     Returns:
         ``(x8 [..., D] float8_e4m3fn, scale [..., D // group] float32)`` with
         ``scale = 2 ** ceil(log2(max(amax, 1e-4) / 448))`` computed from the bits and
-        ``x8 = clamp(x / scale, -448, 448)``; ``x ~= x8 * scale``.
+        ``x8 = clamp(x / scale, -448, 448)``; ``x ~= x8 * scale``. A group holding NaN or
+        +-inf is stored as NaN: value bytes ``0x7F`` and scale ``0x7FC00000``
+        (``dsa.kernels.layouts``).
     """
     torch_only(backend, "quant_ue8m0")
     check_tensor("x", x, dtype=FLOAT_DTYPES)
-    if not isinstance(group, int) or group < 1 or x.dim() == 0 or x.shape[-1] % group != 0:
+    group = check_int("group", group, minimum=1)
+    if x.dim() == 0 or x.shape[-1] % group != 0:
         raise ValueError(f"group: expected a positive int dividing the last dim of x {list(x.shape)}, got {group!r}")
     return quant_ue8m0_reference(x, group)
 

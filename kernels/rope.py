@@ -1,9 +1,14 @@
-"""Torch-only ops: YaRN cos/sin tables and rotary embedding (interleaved or NeoX)."""
+"""Torch-only ops: YaRN cos/sin tables and rotary embedding (interleaved or NeoX).
+
+A position outside the table (negative, or ``>= cos.shape[0]``) reads no table row: its row comes
+back unrotated (``x`` as it is), on every device, without a host sync.
+"""
 import math
 
 import torch
 
-from .common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, check_same_device, compute_dtype, torch_only
+from .common import (FLOAT_DTYPES, INDEX_DTYPES, check_int, check_real, check_same_device, check_tensor, compute_dtype,
+                     torch_only)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -12,9 +17,13 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _yarn_inv_freq(rope_dim: int, base: float, scaling: dict) -> torch.Tensor:
-    factor = float(scaling["factor"])
-    original = int(scaling["original_max_position_embeddings"])
-    beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+    factor = check_real("rope_scaling['factor']", scaling.get("factor"), positive=True)
+    original = check_int("rope_scaling['original_max_position_embeddings']",
+                         scaling.get("original_max_position_embeddings"), minimum=1)
+    beta_fast = check_real("rope_scaling['beta_fast']", scaling.get("beta_fast", 32), positive=True)
+    beta_slow = check_real("rope_scaling['beta_slow']", scaling.get("beta_slow", 1), positive=True)
+    if base == 1.0:
+        raise ValueError("rope_theta: YaRN divides by ln(rope_theta); expected a value other than 1, got 1")
 
     def correction_dim(rotations):
         return rope_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -34,29 +43,33 @@ def yarn_cos_sin(max_positions: int, rope_dim: int, rope_theta: float, rope_scal
     """RoPE tables, with DeepSeek YaRN when ``rope_scaling`` says ``yarn``.
 
     Args:
-        max_positions: rows of the tables (positions 0 .. max_positions - 1).
-        rope_dim: ``D_R`` (even).
-        rope_theta: the base.
+        max_positions: rows of the tables (positions 0 .. max_positions - 1), an int >= 1.
+        rope_dim: ``D_R`` (an even int >= 2).
+        rope_theta: the base, a finite number > 0 (not 1 under YaRN).
         rope_scaling: ``None`` or a dict with ``type``/``rope_type`` ``"yarn"``, ``factor``,
             ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``mscale``,
-            ``mscale_all_dim`` (HF names).
+            ``mscale_all_dim`` (HF names); ``factor``, ``beta_fast`` and ``beta_slow`` finite and
+            > 0, ``original_max_position_embeddings`` an int >= 1.
 
     Returns:
         ``(cos, sin)``, each ``[max_positions, rope_dim // 2]`` float32, multiplied by
         ``yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)`` under YaRN.
     """
     torch_only(backend, "yarn_cos_sin")
-    if not isinstance(rope_dim, int) or rope_dim < 2 or rope_dim % 2:
-        raise ValueError(f"rope_dim: expected a positive even int, got {rope_dim!r}")
-    if not isinstance(max_positions, int) or max_positions < 1:
-        raise ValueError(f"max_positions: expected a positive int, got {max_positions!r}")
+    if check_int("rope_dim", rope_dim, minimum=2) % 2:
+        raise ValueError(f"rope_dim: expected an even int, got {rope_dim!r}")
+    max_positions = check_int("max_positions", max_positions, minimum=1)
+    rope_theta = check_real("rope_theta", rope_theta, positive=True)
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise TypeError(f"rope_scaling: expected None or a dict, got {type(rope_scaling).__name__}")
     kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
     attention_factor = 1.0
     if kind == "yarn":
-        inv_freq = _yarn_inv_freq(rope_dim, float(rope_theta), rope_scaling)
+        inv_freq = _yarn_inv_freq(rope_dim, rope_theta, rope_scaling)
         factor = float(rope_scaling["factor"])
-        attention_factor = (yarn_mscale(factor, float(rope_scaling.get("mscale", 1.0)))
-                            / yarn_mscale(factor, float(rope_scaling.get("mscale_all_dim", 0.0))))
+        attention_factor = (yarn_mscale(factor, check_real("rope_scaling['mscale']", rope_scaling.get("mscale", 1.0)))
+                            / yarn_mscale(factor, check_real("rope_scaling['mscale_all_dim']",
+                                                             rope_scaling.get("mscale_all_dim", 0.0))))
     elif kind == "default":
         inv_freq = 1.0 / (rope_theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
     else:
@@ -65,20 +78,43 @@ def yarn_cos_sin(max_positions: int, rope_dim: int, rope_theta: float, rope_scal
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
-def apply_rope_reference(x, positions, cos, sin, interleaved):
+def rope_at(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Per-token rotations ``cos + i sin`` at ``positions [T]``: ``[T, D_R / 2]`` complex64 (complex128
+    for float64 tables). The same for every layer of a step: a model computes it once per step.
+    A position outside ``[0, len(cos))`` reads nothing and gets the identity rotation (no host sync)."""
+    pos = positions.long()
+    inside = ((pos >= 0) & (pos < cos.shape[0]))[:, None]  # [T, 1]
+    if cos.shape[0] == 0:
+        return torch.ones(pos.shape[0], cos.shape[1], dtype=torch.complex128 if compute_dtype(cos, sin) ==
+                          torch.float64 else torch.complex64, device=cos.device)
+    row = torch.where(inside[:, 0], pos, 0)
+    dt = compute_dtype(cos, sin)
+    return torch.complex(torch.where(inside, cos[row].to(dt), 1.0), torch.where(inside, sin[row].to(dt), 0.0))
+
+
+def rope_rotate(x: torch.Tensor, rot: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate the last dim of ``x [T, ..., D_R]`` by ``rot [T, D_R / 2]`` (from :func:`rope_at`).
+
+    Pair ``i`` is ``(x[2i], x[2i+1])`` (interleaved) or ``(x[i], x[i + D_R/2])`` (NeoX); read as
+    the complex number ``a + i b`` it becomes ``(a + i b) * rot[i]``, i.e.
+    ``(a cos - b sin, b cos + a sin)``. Computed in float32 (float64 for float64 ``x``), returned
+    in ``x``'s dtype.
+    """
     dt = compute_dtype(x)
-    c = cos[positions.long()].to(dt)  # [T, D_R/2]
-    s = sin[positions.long()].to(dt)
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1] // 2,)
-    c, s = c.view(shape), s.view(shape)
+    rot = rot.to(torch.complex128 if dt == torch.float64 else torch.complex64)
+    rot = rot.view((x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1] // 2,))
     xf = x.to(dt)
     if interleaved:
-        a, b = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+        out = torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (-1, 2)).contiguous()) * rot).flatten(-2)
     else:
         a, b = xf.chunk(2, dim=-1)
-        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+        z = torch.complex(a, b) * rot
+        out = torch.cat((z.real, z.imag), dim=-1)
     return out.to(x.dtype)
+
+
+def apply_rope_reference(x, positions, cos, sin, interleaved):
+    return rope_rotate(x, rope_at(positions, cos, sin), interleaved)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -87,7 +123,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
 
     Args:
         x: ``[T, ..., D_R]`` bfloat16, float32 or float64.
-        positions: ``[T]`` int32/int64, each in ``[0, cos.shape[0])``.
+        positions: ``[T]`` int32/int64; a row whose position is outside ``[0, cos.shape[0])`` reads
+            no table row and gets the identity rotation (finite values come back as they are).
         cos, sin: ``[max_positions, D_R // 2]`` float32 (from :func:`yarn_cos_sin`).
         interleaved: rotate pairs ``(x[2i], x[2i+1])`` (MLA, DeepSeek layout) if True, else
             NeoX halves ``(x[i], x[i + D_R/2])``.

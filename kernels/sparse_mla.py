@@ -2,20 +2,24 @@
 
 The Triton kernel here also serves ``dense_mla_decode`` (``DENSE=True``: rows come from the block
 table instead of a slot list), so both ops share one tiling, one softmax and one LSE merge.
+
+Ids outside their range read nothing and contribute nothing, on every backend, without a host
+sync: a slot outside ``[0, NB * P)`` is skipped like ``-1``, and (dense) a block id outside
+``[0, NB)`` makes its positions invisible.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .common import FLOAT_DTYPES, check_same_device, check_tensor, compute_dtype, resolve_backend
+from .common import FLOAT_DTYPES, check_real, check_same_device, check_tensor, compute_dtype, resolve_backend
 from .layouts import (KV_LORA_RANK, LATENT_DIM, LATENT_FP8_ROPE_OFFSET, LATENT_FP8_SCALE_OFFSET, LATENT_FP8_TILE,
                       latent_cache_format, latent_fp8_views)
 
 
 def gather_latent_rows(latent_cache, slots, dtype):
-    """Rows ``[..., 576]`` of the cache at ``slots`` (all >= 0), dequantized to ``dtype``."""
+    """Rows ``[..., 576]`` of the cache at ``slots`` (all in ``[0, NB * P)``), dequantized to ``dtype``."""
     flat = latent_cache.view(-1, latent_cache.shape[-1])  # [NB * P, row]: a slot indexes a row
-    rows = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, -1)
+    rows = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, flat.shape[-1])
     if latent_cache_format(latent_cache) != "fp8":
         return rows.to(dtype)
     kv8, scale, k_pe = latent_fp8_views(rows)
@@ -29,12 +33,16 @@ def sparse_mla_reference(q, latent_cache, slots, softmax_scale):
     out = torch.empty((t, h, KV_LORA_RANK), dtype=q.dtype, device=q.device)
     lse = torch.empty((t, h), dtype=torch.float64 if dt == torch.float64 else torch.float32, device=q.device)
     k = slots.shape[1]
+    num_slots = latent_cache.shape[0] * latent_cache.shape[1]
     chunk = max(1, (1 << 24) // max(1, k * LATENT_DIM))  # bounds the gathered [chunk, K, 576] rows
     for t0 in range(0, t, chunk):
         sl = slots[t0:t0 + chunk].long()  # [C, K]
-        valid = sl >= 0
-        rows = gather_latent_rows(latent_cache, sl.clamp_min(0), dt)  # [C, K, 576]
-        rows.masked_fill_(~valid[..., None], 0)  # rows no slot names never reach the math
+        valid = (sl >= 0) & (sl < num_slots)  # -1 and slots outside the cache are skipped
+        if num_slots:
+            rows = gather_latent_rows(latent_cache, torch.where(valid, sl, 0), dt)  # [C, K, 576]
+            rows.masked_fill_(~valid[..., None], 0)  # rows no slot names never reach the math
+        else:
+            rows = torch.zeros(*sl.shape, LATENT_DIM, dtype=dt, device=q.device)
         score = torch.einsum("chd,ckd->chk", q[t0:t0 + chunk].to(dt), rows) * softmax_scale
         score = torch.where(valid[:, None, :], score, float("-inf"))
         row_lse = torch.logsumexp(score, dim=-1)  # [C, H], -inf for rows with no valid slot
@@ -87,12 +95,14 @@ def _mla_attn_kernel(
         q_ptr, cache_ptr, slots_ptr, block_table_ptr, seq_lens_ptr,  # inputs
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,  # outputs (final, or per split)
         scale_log2,  # softmax_scale * log2(e)
-        ROWS, H, N, K, MB, TOTAL_ROWS, SPLIT_LEN,
+        ROWS, H, N, K, MB, NUM_BLOCKS, NUM_SLOTS, TOTAL_ROWS, SPLIT_LEN,
         stride_slots, stride_bt, stride_cb, stride_cp, block_size,
         DENSE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: group ``g`` (a token for sparse, a request for dense), ``BLOCK_H`` of its query rows,
-    and one split of its key rows; online softmax in the log2 domain, fp32 accumulators."""
+    and one split of its key rows; online softmax in the log2 domain, fp32 accumulators. Key rows whose
+    slot is outside ``[0, NUM_SLOTS)`` (sparse) or whose block id is outside ``[0, NUM_BLOCKS)``
+    (dense) are never read and count as masked."""
     g = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] query rows inside the group
     split = tl.program_id(2)
@@ -126,12 +136,12 @@ def _mla_attn_kernel(
     for n0 in range(start, end, BLOCK_N):
         idx = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         if DENSE:
-            valid = idx < end
-            blk = tl.load(block_table_ptr + g * stride_bt + idx // block_size, mask=valid, other=0).to(tl.int64)
+            blk = tl.load(block_table_ptr + g * stride_bt + idx // block_size, mask=idx < end, other=-1).to(tl.int64)
+            valid = (blk >= 0) & (blk < NUM_BLOCKS)  # also False past `end`
             row_off = blk * stride_cb + (idx % block_size).to(tl.int64) * stride_cp
         else:
             slot = tl.load(slots_ptr + g * stride_slots + idx, mask=idx < end, other=-1)
-            valid = slot >= 0
+            valid = (slot >= 0) & (slot < NUM_SLOTS)
             slot = tl.where(valid, slot, 0).to(tl.int64)
             row_off = (slot // block_size) * stride_cb + (slot % block_size) * stride_cp
         k0, k1, k2, k3, kpe = _load_latent_rows(cache_ptr, row_off, valid, FP8)
@@ -265,7 +275,8 @@ def mla_attention_triton(q_rows, latent_cache, rows, groups, *, slots=None, bloc
         h = rows
     _mla_attn_kernel[(groups, triton.cdiv(rows, block_h), splits)](
         q_rows, latent_cache, slots_arg, bt_arg, sl_arg, out, lse, part_out, part_lse,
-        float(softmax_scale) * LOG2E, rows, h, n, k, mb, total, split_len,
+        float(softmax_scale) * LOG2E, rows, h, n, k, mb, latent_cache.shape[0],
+        latent_cache.shape[0] * latent_cache.shape[1], total, split_len,
         stride_slots, stride_bt, stride_cb, stride_cp, latent_cache.shape[1],
         DENSE=dense, FP8=fp8, SPLIT=splits > 1, BLOCK_H=block_h, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     if splits > 1:
@@ -282,14 +293,18 @@ def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, slots: torch.Tensor,
             (float32/float64 through the reference).
         latent_cache: bfloat16 ``[NB, P, 576]``, uint8 ``[NB, P, 656]`` (FP8) or float32
             ``[NB, P, 576]`` (reference only). K is the whole row, V its first 512 values.
-        slots: ``[T, K]`` int32 cache slots, ``-1`` skipped; ``K`` a multiple of 16 for Triton.
+        slots: ``[T, K]`` int32 cache slots; a slot outside ``[0, NB * P)`` (``-1``, any negative,
+            ``NB * P`` or more) is skipped: never read, no weight. ``K`` a multiple of 16 for
+            Triton; ``K = 0`` is allowed.
         softmax_scale: multiplies ``q . k`` before the softmax.
 
     Returns:
         ``(out [T, H, 512] q.dtype, lse [T, H] float32)`` with natural-log ``lse``; a row with
-        no valid slot gives ``out = 0`` and ``lse = -inf``.
+        no valid slot (K = 0 too) gives ``out = 0`` and ``lse = -inf``. T = 0 or H = 0 give
+        empty outputs of these shapes.
     """
     fmt = latent_cache_format(latent_cache)
+    softmax_scale = check_real("softmax_scale", softmax_scale)
     check_tensor("q", q, dtype=FLOAT_DTYPES, shape=(None, None, LATENT_DIM))
     check_tensor("slots", slots, dtype=torch.int32, shape=(q.shape[0], None))
     device = check_same_device(q=q, latent_cache=latent_cache, slots=slots)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_block_size, check_same_device, check_tensor, resolve_backend
+from .common import check_block_size, check_int, check_same_device, check_tensor, resolve_backend
 from .slots import positions_to_slots_reference
 
 
@@ -34,14 +34,15 @@ def _rank_key(values: torch.Tensor) -> torch.Tensor:
 
 def topk_indices_reference(logits, lengths, k, starts=None):
     """Per row, the positions of the ``min(k, length)`` largest values of its window
-    ``logits[r, start : start + length]`` (``length`` clipped to the row end), ranked by
+    ``logits[r, start : start + length]`` (a negative ``start`` counts as 0, a negative ``length``
+    as 0, ``length`` clipped to the row end), ranked by
     ``(_order_key(value), -column)``: the k-th largest value's ties go to the lowest positions.
 
     Rows with ``length <= k`` are ``0 .. length - 1`` in order; longer rows in descending rank;
     ``-1`` pads every row to ``k``. The keys are distinct, so ``torch.topk`` has no ties to break.
     """
     r, width = logits.shape
-    start = torch.zeros(r, dtype=torch.long, device=logits.device) if starts is None else starts.long()
+    start = torch.zeros(r, dtype=torch.long, device=logits.device) if starts is None else starts.long().clamp_min(0)
     length = torch.minimum(lengths.long(), (width - start).clamp_min(0)).clamp_min(0)  # [R]
     cols = torch.arange(width, device=logits.device)
     valid = (cols >= start[:, None]) & (cols < (start + length)[:, None])
@@ -124,11 +125,12 @@ def _save_hist(hist_ptr, suf_ptr, h):
 @triton.jit
 def _store_positions(out_row, idx, pos, mask, bt_row, seq_len, MB, P, SLOTS: tl.constexpr):
     """Write positions (or, with SLOTS, their slots: -1 outside the request or its block table)."""
-    if SLOTS:
+    if SLOTS:  # positions_to_slots' rule: -1 for what cannot be mapped, negative blocks and int32 overflow too
         page = pos // P
         ok = (pos >= 0) & (pos < seq_len) & (page < MB)
-        block = tl.load(bt_row + page, mask=mask & ok, other=0)
-        pos = tl.where(ok, block.to(tl.int64) * P + pos % P, -1).to(tl.int32)
+        block = tl.load(bt_row + page, mask=mask & ok, other=-1).to(tl.int64)
+        slot = block * P + pos % P
+        pos = tl.where(ok & (block >= 0) & (slot <= 2147483647), slot, -1).to(tl.int32)
     tl.store(out_row + idx, pos, mask=mask)
 
 
@@ -178,7 +180,7 @@ def _finish_row(cand_row, row_l, n, k, rem1, out_row, bt_row, seq_len, MB, P,
 @triton.jit
 def _topk_pass_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_o,
                       hist_ptr, ticket_ptr, suf_ptr, cand_ptr,
-                      bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, MB, P,
+                      bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P,
                       L, k, C, CHUNK,
                       PASS: tl.constexpr, HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr,
                       BLOCK: tl.constexpr, STEP: tl.constexpr):
@@ -186,7 +188,7 @@ def _topk_pass_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, st
     c = tl.program_id(1)
     start = 0
     if HAS_STARTS:
-        start = tl.maximum(tl.load(starts_ptr + r), 0)
+        start = tl.maximum(tl.load(starts_ptr + r), 0)  # negative starts count from 0 (as the reference)
     length = tl.maximum(tl.minimum(tl.load(lengths_ptr + r), L - start), 0)
     row_l = logits_ptr + r * stride_l + start  # column `pos` of the row's window at row_l + pos
     out_row = out_ptr + r * stride_o
@@ -194,8 +196,10 @@ def _topk_pass_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, st
     seq_len = 0
     if SLOTS:
         req = tl.load(row_to_req_ptr + r).to(tl.int64)
+        req_ok = (req >= 0) & (req < B)  # a row of no request maps nothing: seq_len 0, table never read
+        req = tl.where(req_ok, req, 0)
         bt_row = bt_ptr + req * stride_bt
-        seq_len = tl.load(seq_lens_ptr + req)
+        seq_len = tl.load(seq_lens_ptr + req, mask=req_ok, other=0)
     hist_r = hist_ptr + r * (2 * 256)  # [2, 256] row totals of passes 0 and 1
     suf_r = suf_ptr + r * (2 * C * 256)  # [2, C, 256] suffix counts per pass and chunk
     lo = c * CHUNK
@@ -289,7 +293,7 @@ def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, progra
         _topk_pass_kernel[grid](
             logits, logits.stride(0), lengths, starts_t, out, out.stride(0),
             hist, tickets, suf, cand,
-            bt, bt.stride(0), row_to_req, seq_lens, bt.shape[1], block_size,
+            bt, bt.stride(0), row_to_req, seq_lens, bt.shape[0], bt.shape[1], block_size,
             width, k, chunks, chunk,
             PASS=p, HAS_STARTS=starts is not None, SLOTS=slots is not None,
             BLOCK=block, STEP=_CHUNK_STEP, num_warps=num_warps)
@@ -302,8 +306,7 @@ def _check_topk_args(logits, lengths, k, starts):
     check_tensor("lengths", lengths, dtype=torch.int32, shape=(r,))
     if starts is not None:
         check_tensor("starts", starts, dtype=torch.int32, shape=(r,))
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k: expected a positive int, got {k!r}")
+    check_int("k", k, minimum=1)
     return check_same_device(logits=logits, lengths=lengths, starts=starts)
 
 
@@ -313,9 +316,9 @@ def topk_indices(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: to
 
     Args:
         logits: ``[R, L]`` float32.
-        lengths: ``[R]`` int32, valid columns per row (clipped to ``L - start``).
-        k: columns to keep (``index_topk``).
-        starts: ``[R]`` int32 first valid column per row; 0 when None.
+        lengths: ``[R]`` int32, valid columns per row (clipped to ``L - start``; negative: 0).
+        k: columns to keep (``index_topk``), an int >= 1 (``k = 0`` is refused).
+        starts: ``[R]`` int32 first valid column per row; 0 when None; a negative start is 0.
 
     Returns:
         ``[R, k]`` int32 positions relative to ``start``, ``-1`` padded at the end of each row.
@@ -325,7 +328,7 @@ def topk_indices(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: to
         rank by their fp32 bits (+NaN above +inf, -NaN below -inf), so the set is a function
         of the row's window alone: the same at any padding width, in any batch, on any backend.
         Whatever the logits hold, a row holds exactly ``min(k, length)`` distinct in-range
-        positions.
+        positions. R = 0 gives ``[0, k]``; L = 0 rows of -1.
     """
     device = _check_topk_args(logits, lengths, k, starts)
     impl = resolve_backend(backend, device, "topk_indices")
@@ -351,7 +354,9 @@ def topk_slots(logits: torch.Tensor, lengths: torch.Tensor, k: int, block_table:
 
     Returns:
         ``slots [R, k]`` int32: ``block_table[req, pos // P] * P + pos % P`` for each selected
-        position, ``-1`` for padding and for positions outside the request or its block table.
+        position, ``-1`` for padding and for whatever :func:`positions_to_slots` cannot map
+        (positions outside the request or its block table, rows whose ``row_to_req`` is outside
+        ``[0, B)``, negative block ids, slots past int32), on both backends.
     """
     device = _check_topk_args(logits, lengths, k, starts)
     block_size = check_block_size(block_size)

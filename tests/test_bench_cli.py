@@ -61,7 +61,7 @@ def test_plot_from_fixture(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
-@pytest.mark.parametrize("op", ["ceilings", "indexer", "topk", "mla", "layer", "crossover"])
+@pytest.mark.parametrize("op", ["ceilings", "indexer", "topk", "mla", "layer", "crossover", "engine", "prefix"])
 def test_timing_refuses_without_cuda(op):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["bench", op])

@@ -133,3 +133,52 @@ def test_lazy_exports():
     assert dsa.layer_runs_indexer is layer_runs_indexer
     from dsa.indexer import layer_runs_indexer as again
     assert again is layer_runs_indexer
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("fmt,precision,dtype", [("bf16", "fp8", torch.bfloat16), ("fp8", "fp8", torch.bfloat16),
+                                                 ("auto", "exact", torch.float32), ("auto", "fp8", torch.float32)],
+                         ids=["bf16-fp8", "fp8-fp8", "fp32-exact", "fp32-fp8"])
+def test_bytes_per_token_is_what_the_caches_allocate(head_dim, fmt, precision, dtype):
+    cfg = DSAConfig.tiny(index_head_dim=head_dim, kv_cache_format=fmt, indexer_precision=precision,
+                         index_topk_pattern="FSFF")
+    model = dsa.DSAModel.random(cfg, dtype=dtype, device="cpu")
+    caches = model.allocate_caches(3)
+    allocated = sum(c.data.nbytes for layer in caches for c in layer if c is not None) // (3 * cfg.block_size)
+    assert bytes_per_token(cfg, dtype) == allocated
+
+
+BAD_CONFIGS = [  # (field named by the error, error type, overrides)
+    ("num_experts_per_tok", ValueError, dict(num_experts_per_tok=5)),
+    ("n_group", ValueError, dict(n_group=3)),
+    ("topk_group", ValueError, dict(n_group=2, topk_group=3)),
+    ("num_experts_per_tok", ValueError, dict(n_routed_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3)),
+    ("n_group", ValueError, dict(n_group=4, topk_group=2)),  # one expert a group: no top-2 group score
+    ("moe_layer_freq", ValueError, dict(moe_layer_freq=0)),
+    ("num_hidden_layers", TypeError, dict(num_hidden_layers=True)),
+    ("hidden_size", TypeError, dict(hidden_size=256.0)),
+    ("block_size", TypeError, dict(block_size=16.5)),
+    ("index_topk", ValueError, dict(index_topk=0)),
+    ("rope_theta", ValueError, dict(rope_theta=0.0, rope_scaling=None)),
+    ("rope_theta", ValueError, dict(rope_theta=-1.0)),
+    ("rope_scaling['factor']", ValueError, dict(rope_scaling={"type": "yarn", "factor": 0.0,
+                                                              "original_max_position_embeddings": 4096})),
+]
+
+
+@pytest.mark.parametrize("field,exc,kw", BAD_CONFIGS, ids=[f"{i}-{c[0]}" for i, c in enumerate(BAD_CONFIGS)])
+def test_bad_configs_are_refused_by_field(field, exc, kw):
+    with pytest.raises(exc, match="^" + field.replace("[", r"\[").replace("]", r"\]")):
+        DSAConfig.tiny(**kw)
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**V32_JSON, "num_experts_per_tok": 300}))
+    with pytest.raises(ValueError, match=r"config\.json: num_experts_per_tok"):
+        DSAConfig.from_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**V32_JSON, "rope_scaling": "yarn"}))
+    with pytest.raises(TypeError, match=r"config\.json: rope_scaling"):
+        DSAConfig.from_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"config\.json: not a valid JSON file"):
+        DSAConfig.from_hf_config(tmp_path)

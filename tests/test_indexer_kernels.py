@@ -152,3 +152,45 @@ def test_logits_kernels_refuse_more_than_128_heads():
                                 torch.zeros(4, 128, dtype=torch.float8_e4m3fn, device=DEVICE),
                                 torch.ones(4, device=DEVICE), torch.zeros(1, **i32), torch.ones(1, **i32),
                                 backend="triton")
+
+
+BAD_BLOCK_IDS = [-1, -(2 ** 31), "NB", "NB+5", 2 ** 31 - 1]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_paged_logits_blocks_outside_the_cache_are_minus_inf(backend, nan_outputs):
+    """Block ids outside [0, NB) read nothing: their positions are -inf, every other logit is unchanged.
+    The cache sits inside a buffer whose guard bytes are NaN, so a read outside it would show."""
+    gen = torch.Generator().manual_seed(13)
+    p, lens = 16, [70, 45, 33]
+    table, nb = random_block_tables(lens, p, generator=gen)
+    guard = 3 * p * 132
+    buf = torch.full((guard + nb * p * 132 + guard,), 0xFF, dtype=torch.uint8)
+    cache = buf[guard:guard + nb * p * 132].view(nb, p * 132)
+    cache.copy_(_random_cache(nb, p, gen))
+    buf = buf.to(DEVICE)
+    cache = buf[guard:guard + nb * p * 132].view(nb, p * 132)
+    q8 = torch.randn(3, 2, 5, 128, generator=gen).to(torch.float8_e4m3fn).to(DEVICE)
+    w = torch.randn(3, 2, 5, generator=gen).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    good = K.indexer_logits_paged(q8, w, cache, table.to(DEVICE), seq_lens, p, 80, backend="torch")
+    bad_table = table.clone()
+    hits = [(0, 1), (0, 4), (1, 0), (1, 2), (2, 1)]
+    for (b, j), bad in zip(hits, BAD_BLOCK_IDS):
+        bad_table[b, j] = nb + (5 if bad == "NB+5" else 0) if isinstance(bad, str) else bad
+    out = K.indexer_logits_paged(q8, w, cache, bad_table.to(DEVICE), seq_lens, p, 80, backend=backend)
+    expect = good.clone().view(3, 2, 80)
+    for b, j in hits:
+        expect[b, :, j * p:(j + 1) * p] = float("-inf")
+    assert_logits_match(out, expect.view(6, 80))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("max_seq_len", [None, 0, 40], ids=["Wnone", "W0", "W40"])
+def test_paged_logits_of_an_empty_batch(backend, max_seq_len):
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    out = K.indexer_logits_paged(torch.zeros(0, 2, 4, 128, dtype=torch.float8_e4m3fn, device=DEVICE),
+                                 torch.zeros(0, 2, 4, device=DEVICE), torch.zeros(3, 16 * 132, dtype=torch.uint8,
+                                                                                   device=DEVICE),
+                                 torch.zeros(0, 5, **i32), torch.zeros(0, **i32), 16, max_seq_len, backend=backend)
+    assert out.shape == (0, max_seq_len or 0) and out.dtype == torch.float32

@@ -50,10 +50,9 @@ def test_beyond_index_topk_recall_and_logits(monkeypatch):
     plan = gpu.plan([s] * b, [0] * b, torch.arange(b * per, dtype=torch.int32).view(b, per))
     caches = [index for _, index in gpu.allocate_caches(b * per) if index is not None]
     indexers = [layer.self_attn.indexer for layer in gpu.layers if layer.self_attn.indexer is not None]
-    cos, sin = gpu.rope_tables()
     assert len(seen) == len(indexers) == 2
     for (x, qr, want), indexer, cache in zip(seen, indexers, caches):
-        got = indexer(x.cuda(), qr.cuda(), plan.indexer, cache, cos, sin).prefill.cpu()
+        got = indexer(x.cuda(), qr.cuda(), plan.indexer, cache, gpu.rope_at(plan.positions)).prefill.cpu()
         hits = sum(len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got, want))
         assert hits / want.numel() >= 0.99
 

@@ -105,3 +105,75 @@ def test_block_size_not_multiple_of_16_is_refused_for_triton(monkeypatch):
     monkeypatch.setattr(common, "TRITON_INTERPRET", True)
     with pytest.raises(ValueError, match="block_size"):
         common.resolve_backend("triton", torch.device("cpu"), "op", block_size=24)
+
+
+# ---- one int check everywhere: bools, floats and tensors are refused, naming the argument
+
+def _int_sites():
+    from dsa.cache import BlockAllocator, IndexerKeyCache, LatentCache
+    i32 = dict(dtype=I32)
+    return {
+        "block_size": lambda v: K.positions_to_slots(torch.zeros(1, 2, **i32), torch.zeros(1, 1, **i32),
+                                                     torch.zeros(1, **i32), torch.ones(1, **i32), v),
+        "k": lambda v: K.topk_indices(torch.zeros(2, 10), torch.ones(2, **i32), v),
+        "group": lambda v: K.quant_ue8m0(torch.zeros(2, 128), v),
+        "max_seq_len": lambda v: K.indexer_logits_paged(torch.zeros(1, 1, 4, 128, dtype=torch.float8_e4m3fn),
+                                                        torch.zeros(1, 1, 4), IDX, torch.zeros(1, 1, **i32),
+                                                        torch.ones(1, **i32), 16, v),
+        "max_positions": lambda v: K.yarn_cos_sin(v, 8, 1e4, None),
+        "rope_dim": lambda v: K.yarn_cos_sin(4, v, 1e4, None),
+        "num_blocks": lambda v: LatentCache(v, 16),
+        "head_dim": lambda v: IndexerKeyCache(1, 16, head_dim=v),
+        "n": lambda v: BlockAllocator(4).allocate(v),
+    }
+
+
+@pytest.mark.parametrize("value", [True, 2.0, torch.tensor(2), "2"], ids=["bool", "float", "tensor", "str"])
+@pytest.mark.parametrize("site", sorted(_int_sites()))
+def test_int_arguments_refuse_non_ints(site, value):
+    with pytest.raises(TypeError, match=rf"^{site}: expected an int"):
+        _int_sites()[site](value)
+
+
+def test_int_arguments_take_numpy_ints():
+    import numpy as np
+    assert K.topk_indices(torch.zeros(2, 10), torch.ones(2, dtype=I32), np.int64(3)).shape == (2, 3)
+
+
+def test_yarn_refuses_non_positive_theta_and_factor():
+    for theta in (0.0, -1e4, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="^rope_theta"):
+            K.yarn_cos_sin(4, 8, theta, None)
+    for factor in (0, -4.0, float("nan")):
+        with pytest.raises(ValueError, match=r"^rope_scaling\['factor'\]"):
+            K.yarn_cos_sin(4, 8, 1e4, {"type": "yarn", "factor": factor, "original_max_position_embeddings": 64})
+    with pytest.raises(ValueError, match="^rope_theta"):  # YaRN divides by ln(theta)
+        K.yarn_cos_sin(4, 8, 1, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from dsa import Engine
+    from tests.model_utils import tiny_model
+    return Engine(tiny_model(), num_blocks=8)
+
+
+@pytest.mark.parametrize("prompt,max_new,arg", [
+    ([1, 2, 3], True, "max_new_tokens"), ([1, 2, 3], 2.0, "max_new_tokens"), ([1, 2.5, 3], 2, "prompt_ids"),
+    ([1, True, 3], 2, "prompt_ids"), (torch.tensor([1.0, 2.0]), 2, "prompt_ids"), (torch.tensor([True]), 2, "prompt_ids"),
+    ("abc", 2, "prompt_ids")], ids=["max_new_bool", "max_new_float", "float_id", "bool_id", "float_tensor",
+                                    "bool_tensor", "str"])
+def test_engine_refuses_non_int_requests(engine, prompt, max_new, arg):
+    with pytest.raises(TypeError, match=rf"^{arg}"):
+        engine.add_request(prompt, max_new)
+    assert not engine.waiting
+
+
+@pytest.mark.parametrize("kw,arg", [(dict(num_blocks=True), "num_blocks"), (dict(num_blocks=4.0), "num_blocks"),
+                                    (dict(num_blocks=4, max_batch_tokens=True), "max_batch_tokens")],
+                         ids=["blocks_bool", "blocks_float", "batch_bool"])
+def test_engine_refuses_non_int_sizes(kw, arg):
+    from dsa import Engine
+    from tests.model_utils import tiny_model
+    with pytest.raises(TypeError, match=rf"^{arg}"):
+        Engine(tiny_model(), **kw)

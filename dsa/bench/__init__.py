@@ -9,11 +9,13 @@ TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> row
     "mla": "dsa.bench.mla",
     "layer": "dsa.bench.layer",
     "crossover": "dsa.bench.crossover",
+    "engine": "dsa.bench.engine",
+    "prefix": "dsa.bench.prefix",
 }
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks on a CUDA GPU (ceilings, indexer, topk, mla) and reports")
+    p = sub.add_parser("bench", help="benchmarks on a CUDA GPU (ceilings, kernels, layer, engine) and reports")
     p.add_argument("op", choices=["ceilings", *TIMED, "render", "plot"])
     p.add_argument("--out", default="benchmarks/results", help="folder for the result JSON (default: %(default)s)")
     p.add_argument("--reps", type=int, default=30, help="timed calls per row (median reported)")

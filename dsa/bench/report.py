@@ -15,15 +15,33 @@ def _num(x, fmt: str) -> str:
 
 
 def target(row: dict) -> tuple[str, bool | None]:
-    """The row's target as text and whether this run met it (None: no target)."""
+    """The row's targets as text and whether this run met all of them (None: no target)."""
+    parts = []  # (text, met)
     if row.get("target_us") is not None:
-        return f"<= {row['target_us']:.0f} us", row["median_us"] <= row["target_us"]
+        parts.append((f"<= {row['target_us']:.0f} us", row["median_us"] <= row["target_us"]))
     if row.get("target_tflops") is not None and row.get("tflops") is not None:
-        return f">= {row['target_tflops']:.0f} TFLOP/s", row["tflops"] >= row["target_tflops"]
+        parts.append((f">= {row['target_tflops']:.0f} TFLOP/s", row["tflops"] >= row["target_tflops"]))
     if row.get("target_speedup") is not None and row.get("speedup_vs_dense") is not None:
-        return (f">= {row['target_speedup']:g}x vs dense (got {row['speedup_vs_dense']:.1f}x)",
-                row["speedup_vs_dense"] >= row["target_speedup"])
-    return "", None
+        parts.append((f">= {row['target_speedup']:g}x vs dense (got {row['speedup_vs_dense']:.1f}x)",
+                      row["speedup_vs_dense"] >= row["target_speedup"]))
+    if row.get("target_speedup_with_projections") is not None:
+        want, got = row["target_speedup_with_projections"], row["speedup_with_projections"]
+        parts.append((f">= {want:g}x vs dense with projections (got {got:.1f}x)", got >= want))
+    if row.get("target_faster_than_dense"):
+        got, proj = row["speedup_vs_dense"], row["speedup_with_projections"]
+        parts.append((f"faster than dense, with projections too (got {got:.2f}x, {proj:.2f}x)", got > 1 and proj > 1))
+    if row.get("target_tokens_per_s") is not None:
+        parts.append((f">= {row['target_tokens_per_s']:g} tokens/s (got {row['tokens_per_s']:.0f})",
+                      row["tokens_per_s"] >= row["target_tokens_per_s"]))
+    if row.get("target_host_share") is not None:
+        parts.append((f"host share <= {100 * row['target_host_share']:g}% (got {100 * row['host_share']:.1f}%)",
+                      row["host_share"] <= row["target_host_share"]))
+    if row.get("target_ratio_to_first") is not None:
+        parts.append((f"<= {100 * row['target_ratio_to_first']:g}% of the first (got {100 * row['ratio_to_first']:.2f}%)",
+                      row["ratio_to_first"] <= row["target_ratio_to_first"]))
+    if not parts:
+        return "", None
+    return "; ".join(t for t, _ in parts), all(m for _, m in parts)
 
 
 def _cells(row: dict) -> list[str]:

@@ -1,0 +1,119 @@
+"""BlockManager: one engine's cache blocks, with automatic prefix caching.
+
+Every layer's latent cache and indexer key cache share one block numbering, so a block id names
+the same tokens in both: reusing a block reuses the latent rows and the indexer keys together.
+
+A block whose ``P`` tokens are all computed gets a name, a chain hash
+``sha256(previous block's name | P token ids)`` seeded with the engine's namespace (model shapes,
+dtype, cache formats), so equal names mean equal token prefixes. A new request reuses the longest
+run of named blocks that starts its prompt, except the block holding the prompt's last token, which
+is always recomputed (its logits are needed, and a shared block is never written again). Blocks
+count their requests; a named block whose requests finished stays cached, least recently used
+first out, until the pool needs it; a block in use is never evicted.
+"""
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from dsa.cache import BlockAllocator, CacheFullError
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, namespace: str = "", prefix_caching: bool = True):
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.allocator = BlockAllocator(num_blocks)
+        self.seed = hashlib.sha256(namespace.encode()).digest()
+        self.refs: dict = {}  # block -> requests holding it
+        self.by_name: dict = {}  # name -> block
+        self.name_of: dict = {}  # block -> name
+        self.evictable: OrderedDict = OrderedDict()  # named blocks no request holds, least recently used first
+        self.stats = {"prompt_tokens": 0, "hit_tokens": 0, "evictions": 0}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a request can get: never used, or cached and held by no request."""
+        return self.allocator.num_free + len(self.evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.name_of)
+
+    def _name(self, previous: bytes, tokens) -> bytes:
+        return hashlib.sha256(previous + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+
+    def _cached_prefix(self, tokens: list, prompt_len: int) -> tuple[list, list]:
+        """Blocks and names of the longest cached run of full blocks starting the prompt (never the
+        block of the prompt's last token)."""
+        blocks, names, previous, p = [], [], self.seed, self.block_size
+        for i in range((prompt_len - 1) // p):
+            name = self._name(previous, tokens[i * p:(i + 1) * p])
+            block = self.by_name.get(name)
+            if block is None:
+                break
+            blocks.append(block)
+            names.append(name)
+            previous = name
+        return blocks, names
+
+    def allocate(self, req, total_tokens: int) -> None:
+        """Give ``req`` blocks for ``total_tokens``: its cached prefix plus new ones; sets
+        ``req.blocks``, ``req.block_names`` and ``req.computed`` (the reused tokens). Raises
+        :class:`CacheFullError` and changes nothing when the pool cannot serve it."""
+        hit, names = self._cached_prefix(req.tokens, req.prompt_len) if self.prefix_caching else ([], [])
+        need = -(-total_tokens // self.block_size) - len(hit)
+        reused = set(hit)
+        available = self.allocator.num_free + sum(1 for b in self.evictable if b not in reused)
+        if need > available:
+            raise CacheFullError(f"asked for {need} blocks, {available} of {self.num_blocks} can be had")
+        for b in hit:
+            self.refs[b] = self.refs.get(b, 0) + 1
+            self.evictable.pop(b, None)
+        while self.allocator.num_free < need:  # evict the least recently used cached blocks
+            block, _ = self.evictable.popitem(last=False)
+            del self.by_name[self.name_of.pop(block)]
+            self.allocator.free([block])
+            self.stats["evictions"] += 1
+        new = self.allocator.allocate(need)
+        for b in new:
+            self.refs[b] = 1
+        req.blocks, req.block_names, req.computed = hit + new, names, len(hit) * self.block_size
+        self.stats["prompt_tokens"] += req.prompt_len
+        self.stats["hit_tokens"] += req.computed
+
+    def name_full_blocks(self, req) -> None:
+        """Name the blocks of ``req`` whose tokens are all computed (call after each step)."""
+        if not self.prefix_caching:
+            return
+        p = self.block_size
+        while len(req.block_names) < req.computed // p:
+            i = len(req.block_names)
+            name = self._name(req.block_names[-1] if i else self.seed, req.tokens[i * p:(i + 1) * p])
+            req.block_names.append(name)
+            block = req.blocks[i]
+            if name not in self.by_name and block not in self.name_of:  # first copy of this prefix
+                self.by_name[name] = block
+                self.name_of[block] = name
+
+    def free(self, req) -> None:
+        """Release ``req``'s blocks: named ones stay cached (the prompt's first blocks evicted last)."""
+        for b in reversed(req.blocks):
+            self.refs[b] -= 1
+            if self.refs[b]:
+                continue
+            del self.refs[b]
+            if b in self.name_of:
+                self.evictable[b] = None
+            else:
+                self.allocator.free([b])
+        req.blocks = []
+
+    def free_block_ids(self) -> list:
+        """Blocks holding nothing anyone may read (never allocated, or freed unnamed)."""
+        used = set(self.refs) | set(self.evictable)
+        return [b for b in range(self.num_blocks) if b not in used]

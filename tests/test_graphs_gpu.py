@@ -1,0 +1,81 @@
+"""Decode steps replayed from CUDA graphs (marker ``gpu``): bitwise the eager step at the same padded
+shapes, no host sync inside a step, the same tokens as the eager engine."""
+import pytest
+import torch
+
+from dsa import DSAConfig, DSAModel, Engine
+from dsa.plan import HostPlan
+from dsa.runner import batch_bucket, context_bucket
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = DSAConfig.tiny(n_routed_experts=None, index_topk=64, num_attention_heads=16, block_size=16,
+                         index_topk_pattern="FSFS")
+    return DSAModel.random(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in (30, 150, 97)]  # dense and sparse rows
+
+
+def _decoding(model, **kw):
+    engine = Engine(model, num_blocks=64, **kw)
+    for p in _prompts():
+        engine.add_request(p, 12)
+    while any(r.prefilling for r in engine.running.values()) or engine.waiting:
+        engine.step()
+    return engine
+
+
+def test_replay_is_bitwise_the_eager_step_at_the_same_padded_shapes(model):
+    engine = _decoding(model)
+    assert engine.runner.use_graphs
+    for _ in range(3):  # the first step captures, the next ones replay
+        batch = engine.scheduler.schedule()
+        q, c = [n for _, n in batch], [r.computed for r, _ in batch]
+        tables, ids = [r.block_array for r, _ in batch], [r.tokens[r.computed] for r, _ in batch]
+        rows, ctx = batch_bucket(len(q)), context_bucket(max(c) + 1, model.config.block_size)
+        host = HostPlan.pack(q, c, tables, model.config.block_size, "cuda", input_ids=ids, num_rows=rows,
+                             max_seq_len=ctx, num_block_columns=ctx // model.config.block_size,
+                             **model.plan_options())
+        eager = model.step(host.derive(host.upload()), engine.caches)[:len(q)].clone()  # writes the same rows
+        result = engine.runner.run(batch)
+        assert result.graph and torch.equal(result.logits, eager)
+        for (req, _), tok in zip(batch, result.logits.argmax(-1).tolist()):
+            req.computed += 1
+            req.tokens.append(tok)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
+def test_no_host_sync_inside_a_decode_step(model, graphs):
+    engine = _decoding(model, cuda_graphs=graphs)
+    engine.step()  # captures (graph) or compiles (eager) outside the checked step
+    batch = engine.scheduler.schedule()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = engine.runner.run(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert result.graph == graphs and torch.isfinite(result.logits).all()
+
+
+def test_graph_engine_gives_the_eager_engines_tokens(model):
+    p = _prompts()[1]  # one request: the bucket of 1 row is the eager shape
+    graph = Engine(model, num_blocks=16)
+    assert graph.generate([p], 10)[0] == Engine(model, num_blocks=16, cuda_graphs=False).generate([p], 10)[0]
+    assert graph.stats["graph_steps"] == 9  # every decode step after the prefill
+    both = Engine(model, num_blocks=64).generate(_prompts(), 4)
+    assert [o[0] for o in both] == [o[0] for o in Engine(model, num_blocks=64, cuda_graphs=False).generate(_prompts(), 4)]
+
+
+def test_capture_up_front(model):
+    engine = Engine(model, num_blocks=16, cuda_graphs=True)
+    assert engine.runner.capture(200, batch_sizes=(1, 3)) == 2  # buckets 1 and 4, padding rows only
+    assert engine.allocator.num_free == 16
+    out = engine.generate([_prompts()[0]], 5)[0]
+    assert len(out) == 5 and engine.stats["graph_steps"] == 4

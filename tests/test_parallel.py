@@ -1,0 +1,96 @@
+"""Tensor parallelism on CPU: 2 processes over gloo give the single-process model's logits and greedy
+tokens (float32, exact indexer), with each rank holding about half of the sharded weights."""
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsa import DSAConfig, DSAModel, Engine
+
+KINDS = ("v32", "glm")
+TIMEOUT_S = 240
+
+
+def _config(kind: str) -> DSAConfig:
+    common = dict(index_topk=16, index_n_heads=4, indexer_precision="exact", num_attention_heads=4)
+    if kind == "v32":
+        return DSAConfig.tiny(index_topk_pattern="FSFS", n_routed_experts=None, **common)
+    return DSAConfig.tiny(model_type="glm_moe_dsa", indexer_rope_interleave=True, index_topk_freq=2,
+                          index_skip_topk_offset=1, rope_scaling=None, rope_theta=1e6, n_shared_experts=1, **common)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (2, 40), generator=g)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (37, 9, 25)]
+    return ids, prompts
+
+
+def _run(model):
+    ids, prompts = _inputs()
+    return {"logits": model(ids), "tokens": Engine(model, num_blocks=64).generate(prompts, 6),
+            "bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def _worker(rank, world, port, out):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        for kind in KINDS:
+            model = DSAModel.random(_config(kind), seed=0, dtype=torch.float32, device="cpu", tp_size=world,
+                                    tp_check=True)
+            torch.save(_run(model), os.path.join(out, f"{kind}-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world, *args):
+    """Run ``fn(rank, world, port, *args)`` in ``world`` processes; a failing rank raises here."""
+    ctx = mp.start_processes(fn, args=(world, _free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):  # True once every rank has exited
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"the {world} ranks did not finish within {TIMEOUT_S} s")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp")
+    spawn(_worker, 2, str(out))
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_ranks_give_the_single_process_results(kind, two_ranks):
+    one = _run(DSAModel.random(_config(kind), seed=0, dtype=torch.float32, device="cpu"))
+    ranks = [torch.load(two_ranks / f"{kind}-rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        err = float((r["logits"] - one["logits"]).abs().max())
+        assert err < 1e-5, f"logits differ from one process by {err:.3g}"
+        assert r["tokens"] == one["tokens"]
+    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])  # every rank holds the same logits
+    sharded = sum(p.numel() * p.element_size() for name, p in
+                  DSAModel.random(_config(kind), seed=0, dtype=torch.float32, device="cpu").named_parameters()
+                  if name.endswith(("q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight", "proj.weight"))
+                  and ".indexer." not in name and "kv_a_proj" not in name and "q_a_proj" not in name)
+    saved = one["bytes"] - ranks[0]["bytes"]
+    assert abs(saved - sharded / 2) <= 0.05 * sharded, (saved, sharded)  # each rank holds half of the split tensors
+
+
+def test_tp_size_without_torchrun_is_explained():
+    with pytest.raises(RuntimeError, match="torchrun"):
+        DSAModel.random(_config("v32"), seed=0, dtype=torch.float32, device="cpu", tp_size=2)

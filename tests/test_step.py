@@ -1,0 +1,98 @@
+"""The step: one plan per step read by every layer, and no host round trip inside a decode step.
+
+On CPU the host-sync rule is checked for the code around the kernels (plan, model, layers, indexer,
+runner) by making every tensor-to-host conversion raise while a decode step runs, except inside the
+ops of ``dsa.kernels`` and ``dsa.cache``, whose CPU references may read lengths on the host (there is
+nothing to wait for on a CPU); the GPU test runs the whole step under
+``torch.cuda.set_sync_debug_mode("error")``, where the Triton kernels run.
+"""
+import functools
+
+import pytest
+import torch
+
+import dsa.attention
+import dsa.indexer.lightning
+import dsa.plan
+from dsa import Engine
+from dsa.indexer import LightningIndexer
+from tests.model_utils import prompt, tiny_model
+
+
+@pytest.fixture(scope="module", params=["exact", "fp8"])
+def model(request):
+    # dense MLP: MoE layers read their routing on the host, so MoE models stay on the eager path
+    return tiny_model(indexer_precision=request.param, n_routed_experts=None)
+
+
+def _decoding_engine(model, n=3):
+    engine = Engine(model, num_blocks=32)
+    for i in range(n):
+        engine.add_request(prompt(20 + 7 * i, 40 + i), 8)
+    while any(r.prefilling for r in engine.running.values()) or engine.waiting:
+        engine.step()
+    return engine
+
+
+GUARDED = ("item", "tolist", "__int__", "__float__", "__bool__", "nonzero")
+
+
+def test_decode_step_makes_no_host_round_trip(model, monkeypatch):
+    engine = _decoding_engine(model)
+    batch = engine.scheduler.schedule()
+    assert all(n == 1 for _, n in batch) and len(batch) == 3
+    inside_op = [0]
+    originals = {name: getattr(torch.Tensor, name) for name in GUARDED}
+
+    def guard(name):
+        def check(*args, **kwargs):
+            if not inside_op[0]:
+                raise AssertionError(f"Tensor.{name} inside the step, outside the kernel ops")
+            return originals[name](*args, **kwargs)
+        return check
+
+    def op(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            inside_op[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside_op[0] -= 1
+        return run
+
+    with monkeypatch.context() as m:
+        for module in (dsa.attention, dsa.indexer.lightning, dsa.plan):  # the ops these modules call
+            for name, value in vars(module).items():
+                if callable(value) and getattr(value, "__module__", "").startswith(("dsa.kernels", "dsa.cache")):
+                    m.setattr(module, name, op(value))
+        for name in GUARDED:
+            m.setattr(torch.Tensor, name, guard(name))
+        m.setattr(torch, "tensor", guard("torch.tensor"))
+        result = engine.runner.run(batch)  # plan (host ints, one upload) + every layer
+    assert result.logits.shape == (3, model.config.vocab_size) and torch.isfinite(result.logits).all()
+
+
+def test_one_plan_per_step_read_by_every_layer(model, monkeypatch):
+    engine = _decoding_engine(model)
+    builds, plans = [], []
+    real_build, real_forward = dsa.plan.BatchPlan.build.__func__, LightningIndexer.forward
+    monkeypatch.setattr(dsa.plan.BatchPlan, "build", classmethod(
+        lambda cls, *a, **kw: builds.append(real_build(cls, *a, **kw)) or builds[-1]))
+
+    def spy(self, x, qr, batch, *rest):
+        plans.append(batch)
+        return real_forward(self, x, qr, batch, *rest)
+
+    monkeypatch.setattr(LightningIndexer, "forward", spy)
+    engine.add_request(prompt(30, 50), 2)  # a mixed step: decode rows and a prefill chunk
+    engine.step()
+    assert len(builds) == 1
+    indexer_layers = sum(layer.self_attn.indexer is not None for layer in model.layers)
+    assert len(plans) == indexer_layers and all(p is builds[0].indexer for p in plans)
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_run():
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        Engine(tiny_model(), num_blocks=4, cuda_graphs=True)  # CPU, and MoE layers
+    assert not Engine(tiny_model(), num_blocks=4).runner.use_graphs
