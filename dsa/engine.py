@@ -72,7 +72,7 @@ class Engine:
         self.lock = threading.RLock()
         self._ids = itertools.count()
         self._requests: dict = {}  # rid -> Request, waiting or running
-        self._seeds = random.SystemRandom()  # for requests without a seed
+        self._seed_base = self._shared_seed()  # unseeded requests' noise keys derive from it
         eos = c.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -81,11 +81,23 @@ class Engine:
                       "blocks_in_use": 0, "steps": 0, "graph_steps": 0, "tokens": 0, "generated_tokens": 0,
                       "prefix": dict(self.scheduler.blocks.stats, cached_blocks=0)}
 
-    def __getstate__(self):  # copy.deepcopy, pickle: a lock and an entropy source are not state
-        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "_seeds")}
+    def _shared_seed(self) -> int:
+        """A random 63-bit number, the same on every tensor-parallel rank: each rank runs this engine
+        on the same requests (SPMD) and must sample the same tokens, so rank 0's is broadcast once."""
+        seed = random.SystemRandom().getrandbits(63)
+        tp = getattr(self.model, "tp", None)
+        if tp is not None and tp.size > 1:
+            import torch.distributed as dist
+            t = torch.tensor([seed], dtype=torch.int64, device=self.model.device)
+            dist.broadcast(t, src=0 if tp.group is None else dist.get_global_rank(tp.group, 0), group=tp.group)
+            seed = int(t.item())
+        return seed
+
+    def __getstate__(self):  # copy.deepcopy, pickle: a lock is not state
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, lock=threading.RLock(), _seeds=random.SystemRandom())
+        self.__dict__.update(state, lock=threading.RLock())
 
     # ---- state the tests and tools look at ------------------------------------------------
     @property
@@ -164,8 +176,9 @@ class Engine:
         prompt = self.check_request(prompt_ids, sp)
         text = None if self.tokenizer is None else TextOutput(self.tokenizer, prompt, sp.stop)
         with self.lock:
-            seed = self._seeds.getrandbits(64) if sp.seed is None else sp.seed
-            req = Request(next(self._ids), prompt, len(prompt), sp.max_tokens, sampling=sp, seed=seed, text=text,
+            rid = next(self._ids)
+            seed = (self._seed_base + rid * 0x9E3779B97F4A7C15) % (1 << 64) if sp.seed is None else sp.seed
+            req = Request(rid, prompt, len(prompt), sp.max_tokens, sampling=sp, seed=seed, text=text,
                           on_output=on_output)
             self.scheduler.add(req)
             self._requests[req.rid] = req
