@@ -17,6 +17,9 @@ _EXPORTS = {
     "BatchPlan": "dsa.plan",
     "DSAModel": "dsa.model",
     "Engine": "dsa.engine",
+    "SamplingParams": "dsa.sampling",
+    "LLM": "dsa.llm",
+    "Completion": "dsa.llm",
 }
 
 __all__ = sorted(_EXPORTS)

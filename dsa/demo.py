@@ -3,7 +3,9 @@
 CPU default: 2 layers with the V3.2 latent (512 + 64) and indexer (64 heads x 128) shapes, hidden
 1024, 16 heads, dense MLP, ``index_topk=512`` and a 4K context, so sparse attention really runs.
 GPU default: 4 layers with full V3.2 attention shapes (hidden 7168, 128 heads, 64 indexer heads,
-``index_topk=2048``), 32K context. Random weights (seed 0): the tokens are not language.
+``index_topk=2048``), 32K context. Both use the byte-level tokenizer's vocabulary (bytes 0-255, BOS
+256, EOS 257). Random weights (seed 0): the tokens are not language. The prompt is prefilled in
+chunks of ``--max-batch-tokens`` (default: an eighth of it), so progress shows during the prefill.
 """
 import json
 import time
@@ -12,12 +14,15 @@ import torch
 from tqdm import tqdm
 
 from .config import DSAConfig, bytes_per_token, indexer_layers, latent_format
+from .sampling import SamplingParams
+from .tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 
+BYTE_VOCAB = dict(vocab_size=BYTE_VOCAB_SIZE, bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID)
 CPU_DEFAULT = dict(num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, q_lora_rank=512,
-                   intermediate_size=2048, n_routed_experts=None, vocab_size=8192, index_topk=512,
-                   max_position_embeddings=16384, block_size=64)
-GPU_DEFAULT = dict(num_hidden_layers=4, n_routed_experts=None, vocab_size=32768, index_topk=2048,
-                   max_position_embeddings=163840, block_size=64)
+                   intermediate_size=2048, n_routed_experts=None, index_topk=512, max_position_embeddings=16384,
+                   block_size=64, **BYTE_VOCAB)
+GPU_DEFAULT = dict(num_hidden_layers=4, n_routed_experts=None, index_topk=2048, max_position_embeddings=163840,
+                   block_size=64, **BYTE_VOCAB)
 
 
 def add_parser(sub) -> None:
@@ -26,18 +31,27 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, help="prompt tokens (default: 4096 on CPU, 32768 on a GPU)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
     p.add_argument("--batch", type=int, default=1, help="requests generated together (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=int, help="rows per step, the prefill chunk (default: an eighth of "
+                   "the prompt, rounded up to a block, at most 8192)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.set_defaults(func=run)
+
+
+def default_model(device, dtype: torch.dtype | None = None, seed: int = 0):
+    """The embedded default model: random weights, the GPU shapes on CUDA (bf16), else the CPU ones (fp32)."""
+    from .model import DSAModel
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    config = DSAConfig.deepseek_v32(**(GPU_DEFAULT if cuda else CPU_DEFAULT))
+    return DSAModel.random(config, seed=seed, dtype=dtype or (torch.bfloat16 if cuda else torch.float32), device=device)
 
 
 def build_model(args, device: torch.device):
     from .model import DSAModel
     if args.checkpoint:
         return DSAModel.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device=device)
-    if device.type == "cuda":
-        return DSAModel.random(DSAConfig.deepseek_v32(**GPU_DEFAULT), seed=0, dtype=torch.bfloat16, device=device)
-    return DSAModel.random(DSAConfig.deepseek_v32(**CPU_DEFAULT), seed=0, dtype=torch.float32, device=device)
+    return default_model(device)
 
 
 def run(args) -> int:
@@ -46,28 +60,34 @@ def run(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("dsa demo: --device cuda asked for, but no CUDA GPU is visible")
-    context = args.context or (32768 if device.type == "cuda" else 4096)
-    if context < 1 or args.new_tokens < 1 or args.batch < 1:
-        raise SystemExit("dsa demo: --context, --new-tokens and --batch must be positive")
+    context = args.context if args.context is not None else (32768 if device.type == "cuda" else 4096)
+    for flag, value in (("--context", context), ("--new-tokens", args.new_tokens), ("--batch", args.batch),
+                        ("--max-batch-tokens", args.max_batch_tokens)):
+        if value is not None and value < 1:
+            raise SystemExit(f"dsa demo: {flag} must be a positive number, got {value}")
     t0 = time.perf_counter()
     model = build_model(args, device)
     cfg = model.config
     load_s = time.perf_counter() - t0
     per_request = -(-(context + args.new_tokens) // cfg.block_size)
-    engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=8192)
+    chunk = args.max_batch_tokens or min(8192, -(-(context * args.batch) // (8 * cfg.block_size)) * cfg.block_size)
+    engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=chunk)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist() for _ in range(args.batch)]
+    sampling = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)  # exactly N tokens
     if device.type == "cuda":  # Triton compiles a kernel per shape specialization on first use: warm up untimed
-        engine.generate(prompts, args.new_tokens)
+        engine.generate(prompts, sampling=sampling)
         engine.stats.update(tokens=0, prefill_chunks=0, rows={k: 0 for k in engine.stats["rows"]})
     for p in prompts:
-        engine.add_request(p, args.new_tokens)
+        engine.add_request(p, sampling=sampling)
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    bar = tqdm(total=args.batch * (context + args.new_tokens - 1), unit="tok", desc="demo")
+    # one bar per phase, so each shows its own rate (a step with a prefill chunk counts as prefill)
+    prefill_bar = tqdm(total=args.batch * context, unit="tok", desc="prefill")
+    decode_bar = None
     prefill_s = decode_s = 0.0
     decode_tokens = 0
     while engine.has_work():
@@ -79,11 +99,17 @@ def run(args) -> int:
         dt = time.perf_counter() - t
         if engine.stats["prefill_chunks"] > chunks:
             prefill_s += dt
+            prefill_bar.update(engine.stats["tokens"] - tokens)
         else:
+            if decode_bar is None:
+                prefill_bar.close()
+                decode_bar = tqdm(total=args.batch * (args.new_tokens - 1), unit="tok", desc="decode")
             decode_s += dt
             decode_tokens += sum(len(v) for v in produced.values())
-        bar.update(engine.stats["tokens"] - tokens)
-    bar.close()
+            decode_bar.update(sum(len(v) for v in produced.values()))
+    prefill_bar.close()
+    if decode_bar is not None:
+        decode_bar.close()
     prefill_tokens = args.batch * context
     dsa_bytes = bytes_per_token(cfg, model.dtype)
     dense_bytes = bytes_per_token(cfg.replace(index_topk=None), model.dtype)
@@ -94,7 +120,8 @@ def run(args) -> int:
         "model": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
                   "index_heads": cfg.index_n_heads, "index_topk": cfg.index_topk, "dtype": str(model.dtype),
                   "latent_cache": latent_format(cfg, model.dtype), "checkpoint": args.checkpoint},
-        "batch": args.batch, "context": context, "new_tokens": args.new_tokens, "load_s": load_s,
+        "batch": args.batch, "context": context, "new_tokens": args.new_tokens, "max_batch_tokens": chunk,
+        "load_s": load_s,
         "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
         "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
         "cache_bytes_per_token_dsa": dsa_bytes, "cache_bytes_per_token_dense_mla": dense_bytes,

@@ -103,6 +103,10 @@ def _block_array(block_tables, batch: int, width: int | None) -> np.ndarray:
 
 @dataclass
 class BatchPlan:
+    """One step's plan on the device: the rows (``T`` new tokens of ``B`` requests, concatenated),
+    where each row's latent row and indexer key go, each request's block table and length, the
+    rows each path serves, and the typed views the indexer reads. Built once per step by
+    :meth:`build` (or derived from a graph's buffer) and read by every layer; never synced."""
     query_lens: tuple  # host: new tokens per request
     context_lens: tuple  # host: tokens already cached per request
     block_size: int

@@ -37,19 +37,25 @@ PRESETS = {
 }
 
 
+SWEEP = (64, 128, 256, 512, 1024, 2048, 4096)  # the default k sweep, cut below the context
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("recall", help="top-k recall of the indexer: FP8 vs exact, attention mass, reuse")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="a HF checkpoint folder")
     src.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="random weights (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights and random prompt seed (default: %(default)s)")
-    p.add_argument("--tokens", help="prompt: a file of whitespace-separated token ids, or a .npy array")
-    p.add_argument("--context", type=int, default=1024, help="random prompt length without --tokens")
+    p.add_argument("--tokens", help="prompt: a file of whitespace-separated token ids, or a .npy array "
+                   "(default: random tokens)")
+    p.add_argument("--context", type=int, default=1024,
+                   help="random prompt length without --tokens (default: %(default)s)")
     p.add_argument("--queries", type=int, default=32, help="query positions sampled (default: %(default)s)")
-    p.add_argument("--topk", default="256,512,1024,2048", help="comma-separated k values for the sweep")
+    p.add_argument("--topk", help="comma-separated k values for the sweep (default: the powers of two from "
+                   f"{SWEEP[0]} to {SWEEP[-1]} below the context; the model's own index_topk is always added)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--out", default="recall-out", help="folder for recall.json and the plots")
+    p.add_argument("--out", default="recall-out", help="folder for recall.json and the plots (default: %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -213,11 +219,12 @@ def plot(result: dict, out_dir: str) -> list:
 
 
 def run(args) -> int:
+    from .bench.plot import require_matplotlib
     from .model import DSAModel
 
+    require_matplotlib("dsa recall")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    ks = sorted({int(k) for k in args.topk.split(",")})
     if args.checkpoint:
         model = DSAModel.from_pretrained(args.checkpoint, dtype=dtype, device=device)
     else:
@@ -227,6 +234,10 @@ def run(args) -> int:
         ids = torch.tensor(load_tokens(args.tokens), dtype=torch.long)
     else:
         ids = torch.randint(0, cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(args.seed))
+    if args.topk:
+        ks = sorted({int(k) for k in args.topk.split(",")})
+    else:
+        ks = [k for k in SWEEP if k < ids.numel()] or [SWEEP[0]]
     result = measure(model, ids, ks, args.queries, args.seed)
     ks = [r["k"] for r in result["by_k"]]
     from .bench.harness import env_info

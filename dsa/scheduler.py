@@ -3,7 +3,9 @@
 A request reserves blocks for ``len(prompt) + max_new_tokens`` when it is admitted (no preemption,
 no deadlock), reusing the cached blocks of its prompt's prefix (:class:`dsa.blocks.BlockManager`);
 requests that do not fit yet wait in order. Each step serves every decoding request one token, then
-fills the rest of ``max_batch_tokens`` with prefill chunks, oldest first.
+fills the rest of ``max_batch_tokens`` with prefill chunks, oldest first. A request leaves by
+:meth:`Scheduler.finish` (running) or :meth:`Scheduler.remove` (running or waiting); either
+releases its blocks at once.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -13,6 +15,7 @@ import numpy as np
 from dsa.cache import CacheFullError
 
 from .blocks import BlockManager
+from .sampling import GREEDY, SamplingParams
 
 
 @dataclass(eq=False)
@@ -25,6 +28,11 @@ class Request:
     block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # blocks, for the step plan
     block_names: list = field(default_factory=list)  # prefix-cache names of its full blocks, in order
     computed: int = 0  # tokens whose latent rows and indexer keys are in the caches
+    # what the engine needs to sample and report (the scheduler does not read these)
+    sampling: SamplingParams = GREEDY
+    seed: int = 0  # the noise key of its sampled tokens
+    text: object = None  # TextOutput, when the engine has a tokenizer
+    on_output: object = None  # callable(Delta), called by whichever thread steps; must not raise
 
     @property
     def generated(self) -> list:
@@ -89,3 +97,14 @@ class Scheduler:
         self.blocks.free(req)
         req.block_array = np.zeros(0, np.int32)
         del self.running[req.rid]
+
+    def remove(self, req: Request) -> bool:
+        """Take a request out wherever it is (running: its blocks are released); False if it is in neither."""
+        if req.rid in self.running:
+            self.finish(req)
+            return True
+        try:
+            self.waiting.remove(req)
+        except ValueError:
+            return False
+        return True

@@ -93,3 +93,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="session")
+def text_checkpoint(tmp_path_factory):
+    """A tiny random DeepseekV32ForCausalLM saved by transformers, with a BPE tokenizer.json trained
+    in the test (tests/text_utils.py); shared by the text and server tests."""
+    from tests.text_utils import save_text_checkpoint
+    folder = tmp_path_factory.mktemp("text_checkpoint")
+    save_text_checkpoint(folder)
+    return folder

@@ -7,10 +7,13 @@ from dsa.cli import main
 def test_demo_runs_sparse_and_writes_json(tmp_path, capsys):
     out = tmp_path / "demo.json"
     assert main(["demo", "--context", "530", "--new-tokens", "3", "--device", "cpu", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
+    assert "prefill: 100%" in captured.err and "decode: 100%" in captured.err  # one bar per phase
     assert "tokens/s" in text and "cache bytes per token" in text and "layers running the indexer: 2 of 2" in text
     result = json.loads(out.read_text())
     assert result["rows"]["sparse_prefill"] == 530 - 512 and result["rows"]["sparse_decode"] == 2
     assert result["cache_bytes_per_token_dsa"] == 2 * 2304 + 2 * 132
     assert result["cache_bytes_per_token_dense_mla"] == 2 * 2304
+    assert result["max_batch_tokens"] == 128 and result["prefill_chunks"] == 5  # the bar moves per chunk
     assert result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0

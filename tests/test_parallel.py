@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dsa import DSAConfig, DSAModel, Engine
+from dsa import DSAConfig, DSAModel, Engine, SamplingParams
 
 KINDS = ("v32", "glm")
 TIMEOUT_S = 240
@@ -33,7 +33,9 @@ def _inputs(vocab: int):
 
 def _run(model):
     ids, prompts = _inputs(model.config.vocab_size)
+    sampled = SamplingParams(max_tokens=6, temperature=1.0)  # unseeded: the ranks must still agree
     return {"logits": model(ids), "tokens": Engine(model, num_blocks=64).generate(prompts, 6),
+            "sampled": Engine(model, num_blocks=64).generate(prompts, sampling=sampled),
             "bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
@@ -89,6 +91,7 @@ def test_two_ranks_give_the_single_process_results(kind, two_ranks):
         assert err < 1e-5, f"logits differ from one process by {err:.3g}"
         assert r["tokens"] == one["tokens"]
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])  # every rank holds the same logits
+    assert ranks[0]["sampled"] == ranks[1]["sampled"]  # and samples the same tokens
     sharded = sum(p.numel() * p.element_size() for name, p in
                   DSAModel.random(_config(kind), seed=0, dtype=torch.float32, device="cpu").named_parameters()
                   if name.endswith(("q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight", "proj.weight"))

@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     if args.op == "plot":
-        from .plot import plot_results
+        from .plot import plot_results, require_matplotlib
+        require_matplotlib("dsa bench plot")
         paths = plot_results(args.results, args.figures)
         print("wrote " + (", ".join(paths) if paths else "nothing (no result rows with a context length)"))
         return 0

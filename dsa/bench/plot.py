@@ -26,6 +26,14 @@ def _floor_us(row: dict, ceilings: dict):
     return None
 
 
+def require_matplotlib(command: str) -> None:
+    """Refuse early, with the extra to install, when matplotlib is missing (before any work)."""
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit(f"{command}: plotting needs matplotlib; install it with "
+                         "pip install 'deepseek-sparse-attention[eval]' (or pip install matplotlib)")
+
+
 def plot_results(results: str, out_dir: str) -> list:
     import matplotlib
     matplotlib.use("Agg")

@@ -1,0 +1,211 @@
+"""Sampling parameters and the batched sampler that turns a step's logits into tokens.
+
+One step samples every row in one batched operation on the logits' device, with each request's
+parameters as per-row tensors (uploaded once per step) and no per-request launches:
+
+1. ``temperature`` scales the logits (rows with temperature 0 take the argmax of the raw logits);
+2. ``top_k`` keeps the k largest (stable sort: at a tie the lower token id wins, as in argmax);
+3. ``top_p`` keeps the smallest prefix (largest first) of what top_k kept, renormalized, whose
+   probability reaches p (the first token always);
+4. ``min_p`` keeps tokens whose probability is at least ``min_p`` times the largest;
+5. Gumbel-max: the token is ``argmax(logits / temperature + g)`` over the kept tokens, with
+   ``g = -log(-log(u))`` and ``u`` uniform noise that is a hash of (request seed, position of the
+   token being sampled, token id), computed with integer tensor ops. The noise is a function of
+   those three numbers alone (counter-based; no generator state), so a seeded request gives the
+   same tokens alone or in any batch, at any chunk size.
+
+Logprobs are the model's: ``log_softmax`` of the raw logits (before temperature and filters).
+"""
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAX_LOGPROBS = 20
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample a request's tokens and when to stop.
+
+    ``max_tokens``: tokens to generate at most (the request's one length limit).
+    ``temperature``: 0 is greedy (argmax). ``top_k``: 0 (or -1) keeps every token. ``top_p``: 1
+    keeps every token. ``min_p``: 0 keeps every token. ``seed``: the request's noise key (None:
+    drawn at random when the request is added). ``stop``: strings that end the text before them.
+    ``stop_token_ids``: tokens that end generation (``finish_reason="stop"``; their text is not
+    in the output). ``ignore_eos``: keep going past EOS. ``logprobs``: None, or n in [0, 20]: each
+    token's logprob and the n most likely tokens' logprobs.
+    """
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple = ()
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        def is_int(x):
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+        def is_real(x):
+            return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+        def fail(name, expected):
+            raise ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            fail("max_tokens", "a positive int")
+        if not is_real(self.temperature) or self.temperature < 0:
+            fail("temperature", "a finite float >= 0")
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
+            fail("top_p", "a float in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            fail("top_k", "an int >= 0 (0 or -1: no limit)")
+        if not is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            fail("min_p", "a float in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            fail("seed", "None or an int")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = ()
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            fail("stop", "a non-empty string or a list of them")
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
+            fail("stop_token_ids", "a list of token ids >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            fail("ignore_eos", "a bool")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        object.__setattr__(self, "top_k", max(int(self.top_k), 0))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = SamplingParams(temperature=0.0)  # a request's sampling when nothing else is said (its length aside)
+
+
+# ---- counter-based noise -------------------------------------------------------------------
+def _mul32(x, c: int):
+    """``x * c mod 2**32`` for 32-bit ``x`` in int64 (split so no product overflows int64)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def hash32(x):
+    """A 32-bit integer hash (``lowbias32``: xor-shift-multiply, a bijection of [0, 2**32)),
+    for an int64 tensor of values in [0, 2**32) or a Python int."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def noise_keys(seed: int, position: int) -> tuple:
+    """The two 32-bit keys of one row's noise: a hash of (seed mod 2**64, position)."""
+    seed &= (1 << 64) - 1
+    k1 = hash32(hash32(hash32(seed & _M32) ^ (seed >> 32)) ^ (position & _M32))
+    return k1, hash32(k1 ^ 0x5BD1E995)
+
+
+def uniform_noise(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """``u [B, V]`` fp32 in (0, 1): ``(hash32(((vh ^ k1) + k2) mod 2**32) >> 8) + 0.5) / 2**24``
+    with ``keys [B, 2]`` int64 (k1, k2 per row) and ``vocab_hash [V]`` int64 = ``hash32(token id)``."""
+    bits = hash32(((vocab_hash[None, :] ^ keys[:, :1]) + keys[:, 1:]) & _M32)
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+# ---- the batched operation -----------------------------------------------------------------
+def keep_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+              sort: bool = True) -> torch.Tensor:
+    """Which tokens each row may sample.
+
+    ``scaled [B, V]`` fp32: logits / temperature; ``top_k [B]`` int64 (V or more: no limit);
+    ``top_p [B]`` fp32 (1: no limit); ``min_p [B]`` fp32 (0: no limit). Returns bool ``[B, V]``.
+    ``sort=False`` skips top_k and top_p (when no row uses them).
+    """
+    b, v = scaled.shape
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if sort:
+        vals, order = scaled.sort(dim=-1, descending=True, stable=True)
+        ranked = torch.arange(v, device=scaled.device)[None, :] < top_k[:, None]
+        probs = vals.masked_fill(~ranked, -math.inf).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the larger tokens
+        ranked &= (before < top_p[:, None]) | (top_p[:, None] >= 1)
+        ranked[:, 0] = True
+        keep = torch.zeros_like(keep).scatter_(-1, order, ranked)
+    # p >= min_p * p_max  <=>  scaled >= max(scaled) + log(min_p)   (min_p = 0: log is -inf)
+    floor = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+    return keep & (scaled >= floor)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor, greedy: torch.Tensor,
+                  sort: bool = True) -> torch.Tensor:
+    """One token per row: ``tokens [B]`` int64.
+
+    ``logits [B, V]`` fp32; ``temperature [B]`` fp32 (> 0; ignored on greedy rows); ``top_k [B]``
+    int64, ``top_p`` / ``min_p [B]`` fp32 (see :func:`keep_mask`); ``keys [B, 2]`` int64 and
+    ``vocab_hash [V]`` int64 (see :func:`uniform_noise`); ``greedy [B]`` bool: argmax of ``logits``.
+    """
+    scaled = logits / temperature[:, None]
+    scaled = scaled.masked_fill(~keep_mask(scaled, top_k, top_p, min_p, sort), -math.inf)
+    gumbel = -torch.log(-torch.log(uniform_noise(keys, vocab_hash)))
+    return torch.where(greedy[:, None], logits, scaled + gumbel).argmax(dim=-1)
+
+
+@dataclass
+class Logprob:
+    """A generated token's logprob under the model and the ``n`` most likely tokens' (largest first)."""
+    token_id: int
+    logprob: float
+    top: list  # [(token id, logprob)]
+
+
+class Sampler:
+    """Samples a step's rows: packs the per-row parameters on the host, uploads them once, runs
+    :func:`sample_tokens` and brings tokens (and logprobs, when asked for) back in one copy.
+    A batch of greedy rows is one argmax; sorting happens only when a row uses top_k or top_p."""
+
+    def __init__(self, vocab_size: int, device):
+        self.device = torch.device(device)
+        self.vocab_hash = hash32(torch.arange(vocab_size, dtype=torch.int64, device=self.device))
+
+    def __call__(self, logits: torch.Tensor, params: list, seeds: list, positions: list) -> tuple:
+        """``logits [B, V]`` fp32; ``params`` B SamplingParams; ``seeds``, ``positions``: B ints.
+        Returns ``(tokens: list[int], logprobs: list[Logprob | None])``."""
+        v = logits.shape[1]
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            host = np.array([(p.temperature or 1.0, p.top_p, p.min_p, p.top_k or v, p.greedy, *noise_keys(s, pos))
+                             for p, s, pos in zip(params, seeds, positions)], dtype=np.float64)
+            dev = torch.from_numpy(host).to(self.device, non_blocking=True)
+            sampled = [p for p in params if not p.greedy]
+            tokens = sample_tokens(logits, dev[:, 0].float(), dev[:, 3].long(), dev[:, 1].float(), dev[:, 2].float(),
+                                   dev[:, 5:7].long(), self.vocab_hash, dev[:, 4].bool(),
+                                   sort=any(p.top_k or p.top_p < 1 for p in sampled))
+        n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if n is None:
+            return tokens.tolist(), [None] * len(params)  # the step's one device-to-host copy
+        lp = torch.log_softmax(logits, dim=-1)
+        top = lp.topk(n, dim=-1)
+        packed = torch.cat([tokens[:, None].double(), lp.gather(1, tokens[:, None]).double(),
+                            top.values.double(), top.indices.double()], dim=1).tolist()
+        out = []
+        for p, row in zip(params, packed):
+            k = p.logprobs
+            out.append(None if k is None else
+                       Logprob(int(row[0]), row[1], [(int(i), x) for x, i in zip(row[2:2 + k], row[2 + n:2 + n + k])]))
+        return [int(r[0]) for r in packed], out

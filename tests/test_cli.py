@@ -1,0 +1,46 @@
+"""What a new user's trial of the CLI found: version, refused arguments, help with defaults, a
+missing plotting extra named before any work."""
+import importlib.util
+
+import pytest
+
+import dsa
+from dsa.cli import main
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"dsa {dsa.__version__}"
+
+
+@pytest.mark.parametrize("flag", ["--context", "--new-tokens", "--batch", "--max-batch-tokens"])
+def test_demo_refuses_non_positive_sizes(flag):
+    with pytest.raises(SystemExit, match=f"{flag} must be a positive number, got 0"):
+        main(["demo", flag, "0", "--device", "cpu"])
+
+
+def test_generate_refuses_bad_sampling():
+    with pytest.raises(SystemExit, match="top_p"):
+        main(["generate", "--prompt", "x", "--top-p", "0", "--device", "cpu"])
+
+
+def test_recall_help_shows_defaults_and_a_sweep_within_the_context(capsys):
+    with pytest.raises(SystemExit):
+        main(["recall", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 1024)" in text and "(default: 32)" in text and "(default: tiny)" in text
+    from dsa.recall import SWEEP
+    assert f"from {SWEEP[0]} to {SWEEP[-1]} below the context" in text
+    assert [k for k in SWEEP if k < 1024] == [64, 128, 256, 512]
+
+
+@pytest.mark.parametrize("argv,command", [(["recall", "--device", "cpu"], "dsa recall"),
+                                          (["bench", "plot"], "dsa bench plot")])
+def test_missing_matplotlib_is_named_before_any_work(argv, command, monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    import dsa.model
+    monkeypatch.setattr(dsa.model.DSAModel, "random", lambda *a, **k: pytest.fail("computed before refusing"))
+    with pytest.raises(SystemExit, match=r"\[eval\]"):
+        main(argv + ["--out", str(tmp_path)] if command == "dsa recall" else argv + ["--results", str(tmp_path)])
