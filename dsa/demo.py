@@ -34,24 +34,27 @@ def add_parser(sub) -> None:
     p.add_argument("--max-batch-tokens", type=int, help="rows per step, the prefill chunk (default: an eighth of "
                    "the prompt, rounded up to a block, at most 8192)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each: start with "
+                   "`torchrun --nproc-per-node N -m dsa demo --tp N` (default: %(default)s)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.set_defaults(func=run)
 
 
-def default_model(device, dtype: torch.dtype | None = None, seed: int = 0):
+def default_model(device, dtype: torch.dtype | None = None, seed: int = 0, tp_size: int = 1):
     """The embedded default model: random weights, the GPU shapes on CUDA (bf16), else the CPU ones (fp32)."""
     from .model import DSAModel
     device = torch.device(device)
     cuda = device.type == "cuda"
     config = DSAConfig.deepseek_v32(**(GPU_DEFAULT if cuda else CPU_DEFAULT))
-    return DSAModel.random(config, seed=seed, dtype=dtype or (torch.bfloat16 if cuda else torch.float32), device=device)
+    return DSAModel.random(config, seed=seed, dtype=dtype or (torch.bfloat16 if cuda else torch.float32), device=device,
+                           tp_size=tp_size)
 
 
 def build_model(args, device: torch.device):
     from .model import DSAModel
     if args.checkpoint:
-        return DSAModel.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device=device)
-    return default_model(device)
+        return DSAModel.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device=device, tp_size=args.tp)
+    return default_model(device, tp_size=args.tp)
 
 
 def run(args) -> int:
@@ -71,13 +74,15 @@ def run(args) -> int:
     load_s = time.perf_counter() - t0
     per_request = -(-(context + args.new_tokens) // cfg.block_size)
     chunk = args.max_batch_tokens or min(8192, -(-(context * args.batch) // (8 * cfg.block_size)) * cfg.block_size)
-    engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=chunk)
+    # no prefix caching: the timed run repeats the warm-up's prompts and must prefill them again
+    engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=chunk, prefix_caching=False)
+    quiet = model.tp.rank != 0  # under tensor parallelism rank 0 reports
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist() for _ in range(args.batch)]
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)  # exactly N tokens
     if device.type == "cuda":  # Triton compiles a kernel per shape specialization on first use: warm up untimed
         engine.generate(prompts, sampling=sampling)
-        engine.stats.update(tokens=0, prefill_chunks=0, rows={k: 0 for k in engine.stats["rows"]})
+        engine.stats.update(tokens=0, prefill_chunks=0, graph_steps=0, rows={k: 0 for k in engine.stats["rows"]})
     for p in prompts:
         engine.add_request(p, sampling=sampling)
 
@@ -86,7 +91,7 @@ def run(args) -> int:
             torch.cuda.synchronize()
 
     # one bar per phase, so each shows its own rate (a step with a prefill chunk counts as prefill)
-    prefill_bar = tqdm(total=args.batch * context, unit="tok", desc="prefill")
+    prefill_bar = tqdm(total=args.batch * context, unit="tok", desc="prefill", disable=quiet)
     decode_bar = None
     prefill_s = decode_s = 0.0
     decode_tokens = 0
@@ -103,7 +108,7 @@ def run(args) -> int:
         else:
             if decode_bar is None:
                 prefill_bar.close()
-                decode_bar = tqdm(total=args.batch * (args.new_tokens - 1), unit="tok", desc="decode")
+                decode_bar = tqdm(total=args.batch * (args.new_tokens - 1), unit="tok", desc="decode", disable=quiet)
             decode_s += dt
             decode_tokens += sum(len(v) for v in produced.values())
             decode_bar.update(sum(len(v) for v in produced.values()))
@@ -126,13 +131,18 @@ def run(args) -> int:
         "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
         "cache_bytes_per_token_dsa": dsa_bytes, "cache_bytes_per_token_dense_mla": dense_bytes,
         "indexer_layers": len(indexer_layers(cfg)), "layers": cfg.num_hidden_layers,
-        "rows": engine.stats["rows"], "prefill_chunks": engine.stats["prefill_chunks"],
+        "rows": engine.stats["rows"], "prefill_chunks": engine.stats["prefill_chunks"], "tp_size": model.tp.size,
+        "graph_steps": engine.stats["graph_steps"],
     }
+    if quiet:
+        return 0
     print(f"device {result['device']}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-          f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}, {model.dtype}")
+          f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}, {model.dtype}"
+          + (f", tensor parallel over {model.tp.size} ranks" if model.tp.size > 1 else ""))
     print(f"prefill: {prefill_tokens} tokens in {prefill_s:.2f} s = {result['prefill_tokens_per_s']:.0f} tokens/s")
     if decode_s:
-        print(f"decode:  {decode_tokens} tokens in {decode_s:.2f} s = {result['decode_tokens_per_s']:.1f} tokens/s")
+        print(f"decode:  {decode_tokens} tokens in {decode_s:.2f} s = {result['decode_tokens_per_s']:.1f} tokens/s"
+              f" ({engine.stats['graph_steps']} steps replayed from CUDA graphs)")
     print(f"cache bytes per token: {dsa_bytes} with DSA vs {dense_bytes} for dense MLA "
           f"(+{100 * (dsa_bytes - dense_bytes) / dense_bytes:.1f}% for the indexer keys)")
     print(f"layers running the indexer: {result['indexer_layers']} of {cfg.num_hidden_layers}")
