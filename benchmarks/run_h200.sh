@@ -16,7 +16,7 @@ bench() {  # op, seconds allowed
   timeout "$2" python -m dsa bench "$1" --out "$OUT" --git-sha "$SHA" --reps 20 2>&1 | tee -a "$OUT/bench.log" \
     | grep -E "^(B=|dsa |dense |cached|uncached|wrote|Traceback|[A-Za-z]*Error)"
 }
-[[ $PARTS == *t* ]] && { timeout 220 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -80 > "$OUT/gpu-tests.log"
+[[ $PARTS == *t* ]] && { timeout 250 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -80 > "$OUT/gpu-tests.log"
                          tail -30 "$OUT/gpu-tests.log"; }
 [[ $PARTS == *p* ]] && bench prefix 70
 [[ $PARTS == *l* ]] && bench layer 90

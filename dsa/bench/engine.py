@@ -17,7 +17,6 @@ from dsa.demo import GPU_DEFAULT
 from dsa.engine import Engine
 from dsa.model import DSAModel
 from dsa.runner import batch_bucket, context_bucket
-from dsa.scheduler import Request
 
 from .harness import result_row
 from .indexer import random_index_cache
@@ -54,15 +53,13 @@ def decoding_engine(model, b: int, s: int, g: torch.Generator) -> Engine:
     steps = WARMUP + STEPS + 2
     engine = Engine(model, num_blocks=b * -(-(s + steps) // p), cuda_graphs=True, prefix_caching=False)
     fill_caches(engine, g)
-    sched = engine.scheduler
-    reqs = []
     for i in range(b):
-        tokens = torch.randint(0, model.config.vocab_size, (s + 1,), generator=torch.Generator().manual_seed(i))
-        reqs.append(Request(i, tokens.tolist(), s, steps))
-        sched.add(reqs[-1])
-    sched.schedule()  # admits every request: their blocks
-    for req in reqs:
-        req.computed = s  # as if prefilled: the random cache rows stand for the prompt
+        tokens = torch.randint(0, model.config.vocab_size, (s,), generator=torch.Generator().manual_seed(i))
+        engine.add_request(tokens.tolist(), steps)
+    engine.scheduler.schedule()  # admits every request: their blocks
+    for req in engine.scheduler.running.values():  # as if prefilled: the random cache rows stand for the prompt
+        req.computed = s
+        req.tokens.append(0)  # its first token
     return engine
 
 
