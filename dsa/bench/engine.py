@@ -17,6 +17,7 @@ from dsa.demo import GPU_DEFAULT
 from dsa.engine import Engine
 from dsa.model import DSAModel
 from dsa.runner import batch_bucket, context_bucket
+from dsa.sampling import SamplingParams
 
 from .harness import result_row
 from .indexer import random_index_cache
@@ -55,7 +56,7 @@ def decoding_engine(model, b: int, s: int, g: torch.Generator) -> Engine:
     fill_caches(engine, g)
     for i in range(b):
         tokens = torch.randint(0, model.config.vocab_size, (s,), generator=torch.Generator().manual_seed(i))
-        engine.add_request(tokens.tolist(), steps)
+        engine.add_request(tokens.tolist(), sampling=SamplingParams(max_tokens=steps, ignore_eos=True))  # greedy
     engine.scheduler.schedule()  # admits every request: their blocks
     for req in engine.scheduler.running.values():  # as if prefilled: the random cache rows stand for the prompt
         req.computed = s
