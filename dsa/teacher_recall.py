@@ -270,6 +270,7 @@ def plot(result: dict, out_dir: str) -> list:
     ax.set(xscale="log", xlabel="k (positions kept)", ylabel="attention mass kept (mean over layers)", ylim=(0, 1.02),
            title=f"selection quality vs k ({a['context']}-token held-out windows)")
     ax.set_xticks(ks, [str(k) for k in ks])
+    ax.minorticks_off()
     ax.legend(fontsize=8)
     paths.append(save_figure(fig, out_dir, "quality_by_k.png"))
 
@@ -284,6 +285,7 @@ def plot(result: dict, out_dir: str) -> list:
         ax.set(xscale="log", xlabel="k (positions each query attends to)", ylabel="held-out loss [nats/token]",
                title="loss with every layer's attention restricted to top-k")
         ax.set_xticks(ks, [str(k) for k in ks])
+        ax.minorticks_off()
         ax.legend(fontsize=8)
         paths.append(save_figure(fig, out_dir, "sparse_loss.png"))
     return paths
@@ -310,7 +312,27 @@ def summary_text(result: dict) -> str:
     return "\n".join(lines)
 
 
+def sparse_text(result: dict) -> str:
+    sp = result["sparse_loss"]
+    lines = [f"held-out loss, nats/token (all tokens / second half): dense {sp['dense']['all']:.4f} / "
+             f"{sp['dense']['second_half']:.4f}"]
+    for r in sp["by_k"]:
+        fitted = "  ".join(f"every {f}: {v['all']:.4f} / {v['second_half']:.4f}" for f, v in r["fitted"].items())
+        lines.append(f"k={r['k']:5d}  oracle {r['oracle']['all']:.4f} / {r['oracle']['second_half']:.4f}  fitted FP8 {fitted}")
+    for name, t in result["summary"]["targets"].items():
+        if name.startswith("sparse"):
+            lines.append(f"target {name}: {t['value']:.4f} ({t['target']}; oracle {t['oracle_gap']:.4f}) "
+                         f"{'met' if t['met'] else 'MISSED'}")
+    return "\n".join(lines)
+
+
 # ---- the command ------------------------------------------------------------------------------------
+def save(result: dict, path: str, t_start: float) -> None:
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def run(args) -> int:
     from .bench.harness import env_info
     from .corpus import read_streams, windows
@@ -368,18 +390,18 @@ def run(args) -> int:
               "texts": {name: int(len(s)) for name, s in streams.items()},
               "sequences": {"prose": len(prose), "copy": len(copies), "passkey": len(keys)},
               "table": rows, "summary": summary}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "quality.json")
+    save(result, path, t_start)  # the recall table stands on its own if the sparse loss is cut short
+    print(summary_text(result), flush=True)
     if args.sparse_loss:
         loss_windows = [next(w for n, w in prose if n == name) for name in streams]  # the first window of each text
         with tqdm(total=1 + len(ks) * (1 + len(PATTERNS)), desc="sparse loss") as bar:
             result["sparse_loss"] = sparse_losses(teacher, loss_windows, fitted_bf16, ks, list(PATTERNS), cos, sin, bar)
         result["sparse_loss"]["windows"] = [f"{name}: first {context} tokens" for name in streams]
         summary["targets"].update(sparse_targets(result["sparse_loss"], args.target_k))
-    result["seconds"] = round(time.perf_counter() - t_start, 1)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "quality.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+        save(result, path, t_start)
+        print(sparse_text(result), flush=True)
     plots = plot(result, args.out)
-    print(summary_text(result))
     print(f"wrote {path} and {', '.join(os.path.basename(p) for p in plots)}")
     return 0
