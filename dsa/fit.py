@@ -181,8 +181,8 @@ def run(args) -> int:
               "train_tokens": {k: int(len(v)) for k, v in streams.items()}, **record}
     with open(os.path.join(args.out, "fit.json"), "w") as f:
         json.dump(result, f, indent=1)
-    png = plot_curve(record, args.out, f"indexer warm-up on {teacher.config.name}: {len(layers)} layers, HI="
-                     f"{args.index_heads}, {context} tokens/step")
+    png = plot_curve(record, args.out, f"indexer warm-up on {teacher.config.name}\n{len(layers)} layers, HI="
+                     f"{args.index_heads}, {context} tokens/step, lr {args.lr}")
     kl0, kl1 = record["heldout_kl_before"], record["heldout_kl_after"]
     if kl1:
         print("held-out KL per layer (before -> after): " + ", ".join(f"{i}: {kl0[i]:.3f} -> {kl1[i]:.3f}" for i in kl1))

@@ -122,6 +122,8 @@ def score(teacher, ids, queries, ks, ev, tally: Tally, targets=None, kind="prose
         if i not in ev["layers"]:
             return
         probs = attention_probs(q, k, queries)
+        if kind == "prose":
+            tally.add(("token0", i, 0, "attention"), probs[:, 0])
         exact = (indexer_logits(ev["fitted_exact"][i], x, queries, ev["cos"], ev["sin"], "exact")
                  if i in ev["fitted_exact"] else None)
         untrained = indexer_logits(ev["untrained"][i], x, queries, ev["cos"], ev["sin"], "fp8")
@@ -158,7 +160,8 @@ def table(tally: Tally, layers, ks) -> list:
     rows = []
     for i in layers:
         for k in ks:
-            r = {"layer": i, "k": k, "queries": tally.n.get(("mass", i, k, "oracle"), 0)}
+            r = {"layer": i, "k": k, "queries": tally.n.get(("mass", i, k, "oracle"), 0),
+                 "attention_on_token0": tally.mean(("token0", i, 0, "attention"))}
             r.update({m: tally.mean(("mass", i, k, m)) for m in METHODS})
             r["no_sink"] = {m: tally.mean(("no_sink", i, k, m)) for m in METHODS}
             r["fp8_vs_exact"] = tally.mean(("agree", i, k, "fp8_vs_exact"))

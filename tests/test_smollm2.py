@@ -71,6 +71,6 @@ def test_packaged_indexers_select_better_than_untrained_and_sink_recent(smol):
                 sink_recent(queries, 64), oracle(p, queries, 64))]
     smol.hidden(ids, layers=6, observe=observe)
     for i, (fit_m, untrained_m, sr, best) in got.items():
-        print(f"layer {i}, top-64 of ~{ids.numel()}: fitted {fit_m:.3f}, untrained {untrained_m:.3f}, "
+        print(f"layer {i}, top-64, queries 200..{ids.numel() - 1}: fitted {fit_m:.3f}, untrained {untrained_m:.3f}, "
               f"sink+recent {sr:.3f}, oracle {best:.3f}")
         assert fit_m > untrained_m + 0.1 and fit_m > sr and fit_m <= best + 1e-6
