@@ -16,6 +16,7 @@ from dsa.config import DSAConfig, layer_runs_indexer
 from dsa.indexer import LightningIndexer
 from dsa.kernels import indexer_logits_ragged, indexer_query_prep, topk_indices, yarn_cos_sin
 from dsa.kernels.indexer_query_prep import weight_scale
+from dsa.teacher import selection_mask
 
 SINK = 4  # sink + recent keeps tokens 0..3 and the last k - 4
 PACKAGED = os.path.join(os.path.dirname(__file__), "data", "indexers", "smollm2")
@@ -113,12 +114,9 @@ def mass(probs: torch.Tensor, selected: torch.Tensor, skip_first: bool = False) 
 
 
 def agreement(selected: torch.Tensor, reference: torch.Tensor, t: int) -> torch.Tensor:
-    """``[Q]`` |selected & reference| / |reference| per row."""
-    def as_mask(s):
-        m = torch.zeros(s.shape[0], t + 1, dtype=torch.bool, device=s.device)
-        return m.scatter_(1, torch.where(s < 0, t, s.long()), True)[:, :t]
-    ref = as_mask(reference)
-    return (as_mask(selected) & ref).sum(1) / ref.sum(1).clamp(min=1)
+    """``[Q]`` |selected & reference| / |reference| per row (positions below ``t``)."""
+    ref = selection_mask(reference, t)
+    return (selection_mask(selected, t) & ref).sum(1) / ref.sum(1).clamp(min=1)
 
 
 def hits(selected: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
