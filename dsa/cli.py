@@ -1,9 +1,9 @@
-"""``python -m dsa <command>`` (also the ``dsa`` script): demo, generate, serve, bench, recall."""
+"""``python -m dsa <command>`` (also the ``dsa`` script): demo, generate, serve, bench, recall, fit-indexer."""
 import argparse
 
 
 def main(argv=None) -> int:
-    from dsa import __version__, bench, demo, generate, recall, serve
+    from dsa import __version__, bench, demo, fit, generate, recall, serve
 
     parser = argparse.ArgumentParser(prog="dsa", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dsa {__version__}")
@@ -13,5 +13,6 @@ def main(argv=None) -> int:
     serve.add_parser(sub)
     recall.add_parser(sub)
     bench.add_parser(sub)
+    fit.add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)

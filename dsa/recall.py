@@ -14,7 +14,8 @@ For one prompt and sampled query positions, every layer:
 Queries are sampled uniformly over the prompt; one whose causal range fits in k attends densely,
 so all its recalls are 1 (``by_position`` shows where the selection starts to matter).
 Random weights (``--preset``, seed ``--seed``, normal(0, 0.02) init) make attention diffuse:
-their numbers exercise the pipeline and are not quality claims.
+their numbers exercise the pipeline and are not quality claims. ``--teacher`` measures fitted
+indexers on a pretrained model instead (:mod:`dsa.teacher_recall`).
 """
 import json
 import os
@@ -26,6 +27,7 @@ from tqdm import tqdm
 
 from .config import DSAConfig, layer_runs_indexer
 from .demo import CPU_DEFAULT, GPU_DEFAULT
+from .teacher_recall import add_arguments as add_teacher_arguments
 
 PRESETS = {
     "tiny": lambda: DSAConfig.tiny(index_topk=64, index_topk_pattern="FSFS"),
@@ -48,14 +50,17 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights and random prompt seed (default: %(default)s)")
     p.add_argument("--tokens", help="prompt: a file of whitespace-separated token ids, or a .npy array "
                    "(default: random tokens)")
-    p.add_argument("--context", type=int, default=1024,
-                   help="random prompt length without --tokens (default: %(default)s)")
-    p.add_argument("--queries", type=int, default=32, help="query positions sampled (default: %(default)s)")
+    p.add_argument("--context", type=int, help="random prompt length without --tokens (default: 1024; "
+                   "teacher mode: the preset's)")
+    p.add_argument("--queries", type=int, help="query positions sampled (default: 32; teacher mode: per window)")
     p.add_argument("--topk", help="comma-separated k values for the sweep (default: the powers of two from "
-                   f"{SWEEP[0]} to {SWEEP[-1]} below the context; the model's own index_topk is always added)")
+                   f"{SWEEP[0]} to {SWEEP[-1]} below the context, the model's own index_topk always added; "
+                   "teacher mode: 64,...,2048)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--out", default="recall-out", help="folder for recall.json and the plots (default: %(default)s)")
+    p.add_argument("--out", default="recall-out", help="folder for recall.json (quality.json) and the plots "
+                   "(default: %(default)s)")
+    add_teacher_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -220,9 +225,15 @@ def plot(result: dict, out_dir: str) -> list:
 
 def run(args) -> int:
     from .bench.plot import require_matplotlib
-    from .model import DSAModel
 
     require_matplotlib("dsa recall")
+    if args.teacher:
+        from .teacher_recall import run as run_teacher
+        return run_teacher(args)
+    from .model import DSAModel
+
+    args.context = 1024 if args.context is None else args.context
+    args.queries = 32 if args.queries is None else args.queries
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.checkpoint:
