@@ -14,7 +14,7 @@ import torch
 from dsa.cache import IndexerKeyCache, gather_indexer_keys, write_indexer_keys
 from dsa.config import DSAConfig, layer_runs_indexer
 from dsa.indexer import LightningIndexer
-from dsa.kernels import indexer_logits_ragged, indexer_query_prep, topk_indices, yarn_cos_sin
+from dsa.kernels import indexer_logits_ragged, indexer_query_prep, rope_at, topk_indices, yarn_cos_sin
 from dsa.kernels.indexer_query_prep import weight_scale
 from dsa.teacher import selection_mask
 
@@ -53,7 +53,7 @@ def indexer_logits(indexer: LightningIndexer, x: torch.Tensor, queries: torch.Te
     ends = (queries + 1).to(torch.int32)
     starts = torch.zeros_like(ends)
     if precision == "exact":
-        q, k, w = indexer.project(x, x, positions, cos, sin)
+        q, k, w = indexer.project(x, x, rope_at(positions, cos, sin))
         return indexer_logits_ragged(q[queries], w[queries] * weight_scale(c.index_n_heads, c.index_head_dim), k,
                                      None, starts, ends)
     if precision != "fp8":
@@ -62,7 +62,7 @@ def indexer_logits(indexer: LightningIndexer, x: torch.Tensor, queries: torch.Te
     if indexer.wq_b.weight.dtype != dtype:
         raise TypeError(f"indexer: the fp8 path runs a bfloat16 indexer, got {indexer.wq_b.weight.dtype}")
     with torch.no_grad():
-        q, k, w = indexer.project(x.to(dtype), x.to(dtype), positions, cos, sin)
+        q, k, w = indexer.project(x.to(dtype), x.to(dtype), rope_at(positions, cos, sin))
         p = c.block_size
         cache = IndexerKeyCache(math.ceil(t / p), p, device=x.device)
         write_indexer_keys(cache, k, positions, hadamard=c.indexer_hadamard)
