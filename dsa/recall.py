@@ -50,9 +50,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights and random prompt seed (default: %(default)s)")
     p.add_argument("--tokens", help="prompt: a file of whitespace-separated token ids, or a .npy array "
                    "(default: random tokens)")
-    p.add_argument("--context", type=int, help="random prompt length without --tokens (default: 1024; "
-                   "teacher mode: the preset's)")
-    p.add_argument("--queries", type=int, help="query positions sampled (default: 32; teacher mode: per window)")
+    p.add_argument("--context", type=int, help="random prompt length without --tokens (default: 1024) "
+                   "(teacher mode: the preset's)")
+    p.add_argument("--queries", type=int, help="query positions sampled (default: 32) (teacher mode: per window)")
     p.add_argument("--topk", help="comma-separated k values for the sweep (default: the powers of two from "
                    f"{SWEEP[0]} to {SWEEP[-1]} below the context, the model's own index_topk always added; "
                    "teacher mode: 64,...,2048)")
