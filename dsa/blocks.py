@@ -44,15 +44,17 @@ class BlockManager:
     def num_cached(self) -> int:
         return len(self.name_of)
 
-    def _name(self, previous: bytes, tokens) -> bytes:
-        return hashlib.sha256(previous + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+    def _name(self, previous: bytes, tokens: np.ndarray) -> bytes:
+        return hashlib.sha256(previous + tokens.tobytes()).digest()
 
     def _cached_prefix(self, tokens: list, prompt_len: int) -> tuple[list, list]:
         """Blocks and names of the longest cached run of full blocks starting the prompt (never the
         block of the prompt's last token)."""
         blocks, names, previous, p = [], [], self.seed, self.block_size
-        for i in range((prompt_len - 1) // p):
-            name = self._name(previous, tokens[i * p:(i + 1) * p])
+        full = (prompt_len - 1) // p
+        ids = np.asarray(tokens[:full * p], dtype=np.int64)  # one conversion, then a view per block
+        for i in range(full):
+            name = self._name(previous, ids[i * p:(i + 1) * p])
             block = self.by_name.get(name)
             if block is None:
                 break
@@ -90,10 +92,11 @@ class BlockManager:
         """Name the blocks of ``req`` whose tokens are all computed (call after each step)."""
         if not self.prefix_caching:
             return
-        p = self.block_size
+        p, first = self.block_size, len(req.block_names)
+        ids = np.asarray(req.tokens[first * p:req.computed // p * p], dtype=np.int64)
         while len(req.block_names) < req.computed // p:
             i = len(req.block_names)
-            name = self._name(req.block_names[-1] if i else self.seed, req.tokens[i * p:(i + 1) * p])
+            name = self._name(req.block_names[-1] if i else self.seed, ids[(i - first) * p:(i - first + 1) * p])
             req.block_names.append(name)
             block = req.blocks[i]
             if name not in self.by_name and block not in self.name_of:  # first copy of this prefix
