@@ -173,13 +173,7 @@ class DSAConfig:
         path = os.fspath(path_or_dict)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path) as f:
-            try:
-                hf = json.load(f)
-            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-                raise ValueError(f"{path}: not a valid JSON file ({e})") from None
-        if not isinstance(hf, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+        hf = read_json_object(path, "a model config")
         try:
             return cls._from_hf_dict(hf, overrides)
         except (TypeError, ValueError) as e:
@@ -213,6 +207,19 @@ class DSAConfig:
             kw.setdefault("n_group", 1)
             kw.setdefault("topk_group", 1)
         return cls(**{**kw, **overrides})
+
+
+def read_json_object(file: str, what: str) -> dict:
+    """A JSON object from ``file``; ``ValueError`` naming the file when it is not valid JSON or not an
+    object (``what`` says what it should hold)."""
+    with open(file) as f:
+        try:
+            data = json.load(f)
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{file}: not a valid JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected {what} (a JSON object), got {type(data).__name__}")
+    return data
 
 
 def layer_runs_indexer(config: DSAConfig, layer_id: int) -> bool:

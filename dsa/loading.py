@@ -12,7 +12,6 @@ field: an unreadable ``config.json`` or safetensors file, decoder layers past ``
 for a model without an indexer, scale blocks that do not match their weight, non-finite weights or
 scales, missing or mis-shaped tensors.
 """
-import json
 import logging
 import os
 import re
@@ -22,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from dsa.kernels.common import check_int
 
-from .config import DSAConfig
+from .config import DSAConfig, read_json_object
 
 log = logging.getLogger("dsa")
 
@@ -38,21 +37,10 @@ LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 SCALE_SUFFIX = "_scale_inv"
 
 
-def _read_json(file: str, what: str):
-    with open(file) as f:
-        try:
-            data = json.load(f)
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            raise ValueError(f"{file}: not a valid JSON file ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: expected {what} (a JSON object), got {type(data).__name__}")
-    return data
-
-
 def _shards(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        weight_map = _read_json(index, "a safetensors index").get("weight_map")
+        weight_map = read_json_object(index, "a safetensors index").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ValueError(f"{index}: weight_map: expected an object of tensor name -> file name")
         files = sorted(set(weight_map.values()))
@@ -170,7 +158,7 @@ def read_pretrained(path, overrides: dict | None = None, tp=None) -> tuple[DSACo
         raise ValueError(f"overrides: {bad or ['index_topk=None']} would change the checkpoint's weights; "
                          "only fields that keep weight shapes can be overridden")
     config_file = os.path.join(path, "config.json")
-    hf = _read_json(config_file, "a model config")
+    hf = read_json_object(config_file, "a model config")
     config = DSAConfig.from_hf_config(config_file, **overrides)
     try:
         num_nextn = check_int("num_nextn_predict_layers", hf.get("num_nextn_predict_layers", 0), minimum=0)
