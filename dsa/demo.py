@@ -141,8 +141,9 @@ def run(args) -> int:
           + (f", tensor parallel over {model.tp.size} ranks" if model.tp.size > 1 else ""))
     print(f"prefill: {prefill_tokens} tokens in {prefill_s:.2f} s = {result['prefill_tokens_per_s']:.0f} tokens/s")
     if decode_s:
+        graphs = engine.stats["graph_steps"]
         print(f"decode:  {decode_tokens} tokens in {decode_s:.2f} s = {result['decode_tokens_per_s']:.1f} tokens/s"
-              f" ({engine.stats['graph_steps']} steps replayed from CUDA graphs)")
+              + (f" ({graphs} steps replayed from CUDA graphs)" if graphs else ""))
     print(f"cache bytes per token: {dsa_bytes} with DSA vs {dense_bytes} for dense MLA "
           f"(+{100 * (dsa_bytes - dense_bytes) / dense_bytes:.1f}% for the indexer keys)")
     print(f"layers running the indexer: {result['indexer_layers']} of {cfg.num_hidden_layers}")
