@@ -135,9 +135,6 @@ class BatchPlan:
         return self.decode is not None and isinstance(self.decode.rows, slice) and \
             self.decode.rows.stop - self.decode.rows.start == self.num_tokens
 
-    def row_counts(self) -> dict:
-        return dict(self.rows)
-
     @classmethod
     def build(cls, query_lens, context_lens, block_tables, block_size: int, device, *, out: torch.Tensor | None = None,
               **options) -> "BatchPlan":
