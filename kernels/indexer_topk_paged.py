@@ -5,18 +5,19 @@ pair), fused for decode: the logits are scored tile by tile exactly as ``indexer
 scores them (same tiles, same accumulation order, so the same fp32 bits) and only the candidates
 of each row are kept, never the ``[B * N, W]`` logits.
 
-Two launches and a memset, using the machinery of ``topk`` (guess, verify, refine):
+Four launches and a memset (the sample's tickets), using the machinery of ``topk`` (guess, verify,
+refine):
 
 1. ``_sample_kernel``: for each row, the logits of ``SAMPLE`` positions spread over its window
    (the columns ``topk``'s guess reads), then the guess ``(lo, shift)`` from them;
 2. ``_fused_kernel``: the paged-logits grid; each program appends its positions with
-   ``key >= lo`` to its region of the row's candidate buffer and adds their bin histogram into the
-   row's total; the last program of a group of rows (an atomic ticket) selects each row's top-k
-   from the candidates, or, if fewer than k positions reached ``lo``, scores the whole row again
-   into the buffer and selects from it. Either way the set is the unfused pair's.
+   ``key >= lo`` to its region of the row's candidate buffer and stores their bin histogram as
+   the region's;
+3. ``topk``'s ``_place_kernel``: each region's candidates above the k-th value's bin to the
+   output, those in it to the region's front;
+4. ``_finish_kernel``: per row, the best of the bin's list, or, if fewer than k positions reached
+   ``lo``, the whole window scored again and its k best. Either way the set is the unfused pair's.
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -24,12 +25,13 @@ import triton.language as tl
 from .common import TRITON_INTERPRET, check_block_size, check_same_device, check_tensor, resolve_backend
 from .indexer_logits_paged import _num_sms, _paged_config, indexer_logits_paged_reference
 from .layouts import INDEXER_SCALE_BYTES
-from .topk import (_INT_MIN, _SEG, _Z, _guess_from_sample, _key, _pick_digit, _refine, _region_hist,
-                   _store_positions, _sweep, topk_slots_reference)
+from .topk import (_INT_MIN, _MAX_FAST_REGIONS, _SEG, _Z, _finish_fast, _finish_tiles, _gather_fronts,
+                   _guess_from_sample, _key, _place_kernel, _refine, _region_hist, _store_positions,
+                   topk_slots_reference)
 
 _SAMPLE = 1024  # sample positions per row (the guess's)
 _SAMPLE_TILE = 128  # sample positions per program
-_HBLOCK = 256  # the finish code's blocks, smaller than topk's: it shares the registers of the scoring loop
+_HBLOCK = 256  # region histogram steps, smaller than topk's: they share the registers of the scoring loop
 _SBLOCK = 256
 _LBLOCK = 512
 
@@ -78,8 +80,8 @@ def _sample_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, smp_pt
         if tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel") == PARTS - 1:
             x = tl.load(smp_ptr + row * SAMPLE + tl.arange(0, SAMPLE), cache_modifier=".cg")
             lo, shift = _guess_from_sample(_key(x) ^ _INT_MIN, n, k, SAMPLE, Z)
-            tl.store(guess_ptr + row * 2, lo)
-            tl.store(guess_ptr + row * 2 + 1, shift)
+            tl.store(guess_ptr + row * 4, lo)
+            tl.store(guess_ptr + row * 4 + 1, shift)
 
 
 @triton.jit
@@ -108,14 +110,15 @@ def _score_tile(val_ptr, scale_base, table_row, pos, inside, q_t, w, stride_bloc
 
 @triton.jit
 def _fused_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, guess_ptr, out_ptr, stride_o,
-                  cand_ptr, stride_c, cnt_ptr, hist_ptr, ticket_ptr, logits_ptr,
+                  cand_ptr, stride_c, cnt_ptr, hist_ptr, logits_ptr,
                   stride_block, stride_table, num_table_blocks, num_blocks, width, k, tiles_per_prog, splits,
                   N: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HI_PAD: tl.constexpr,
                   P: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, HBLOCK: tl.constexpr,
-                  SBLOCK: tl.constexpr, LBLOCK: tl.constexpr, W: tl.constexpr, LOGITS: tl.constexpr):
+                  LBLOCK: tl.constexpr, LOGITS: tl.constexpr):
     # program (b * groups + g, split): query tokens [g*G, g*G + G) of request b against key tiles
     # [split * tiles_per_prog, ...), as _indexer_logits_paged_kernel; row r = b*N + j keeps its
-    # candidates in region `split` of cand[r] (capacity tiles_per_prog * BLOCK_S: the span).
+    # candidates in region `split` of cand[r] (capacity tiles_per_prog * BLOCK_S: the span) and
+    # their bin histogram in hist[r, split].
     # LOGITS (tests): also store the scored logits to logits_ptr [B * N, width].
     GROUPS: tl.constexpr = (N + G - 1) // G
     M: tl.constexpr = G_PAD * HI_PAD
@@ -139,7 +142,7 @@ def _fused_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, guess_p
     n_row = tl.minimum(tl.maximum(last + 1, 0), width)  # [G_PAD] the row's window
     rows = b * N + g * G + jg  # [G_PAD] int64
     sel_row = row_ok & (n_row > k)
-    lo = tl.load(guess_ptr + rows * 2, mask=sel_row, other=0)
+    lo = tl.load(guess_ptr + rows * 4, mask=sel_row, other=0)
     span = tiles_per_prog * BLOCK_S
     region = cand_ptr + rows * stride_c + split * span  # [G_PAD] pointers
     cnt = tl.zeros([G_PAD], tl.int32)
@@ -185,15 +188,14 @@ def _fused_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, guess_p
         sel = sel_row[None, :] & (pos[:, None] < n_row[None, :]) & (key_inf >= lo[None, :])
         cnt = _append_cols(region, cnt, key_inf, pos, sel)
     tl.debug_barrier()  # the regions are written before this program reads them back
-    bins = tl.arange(0, 256)
     for jr in range(0, G):
         r = b * N + g * G + jr
         n_r = tl.minimum(tl.maximum(seq_len - N + g * G + jr + 1, 0), width)
         if (g * G + jr < N) & (n_r > k):
             c = tl.sum(tl.where(jg == jr, cnt, 0), 0)
-            h_r = _region_hist(cand_ptr + r * stride_c + split * span, c, tl.load(guess_ptr + r * 2),
-                               tl.load(guess_ptr + r * 2 + 1), HBLOCK)
-            tl.atomic_add(hist_ptr + r * 256 + bins, h_r, sem="relaxed")
+            h_r = _region_hist(cand_ptr + r * stride_c + split * span, c, tl.load(guess_ptr + r * 4),
+                               tl.load(guess_ptr + r * 4 + 1), HBLOCK)
+            tl.store(hist_ptr + (r * splits + split) * 256 + tl.arange(0, 256), h_r)
             tl.store(cnt_ptr + r * splits + split, c)
         elif (g * G + jr < N) & (split == 0):  # a dense row: positions 0 .. n-1, as slots, then -1
             idx = tl.arange(0, LBLOCK)
@@ -201,40 +203,89 @@ def _fused_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, guess_p
                 pos = j0 + idx
                 _store_positions(out_ptr + r * stride_o, pos, tl.where(pos < n_r, pos, -1), pos < k, table_row,
                                  seq_len, num_table_blocks, P, True)
-    tl.debug_barrier()  # every thread's writes are done before the ticket releases them
-    if tl.atomic_add(ticket_ptr + pid, 1, sem="acq_rel") == splits - 1:  # the group's last program
-        for jr in range(0, G):
-            r = b * N + g * G + jr
-            n_r = tl.minimum(tl.maximum(seq_len - N + g * G + jr + 1, 0), width)
-            if (g * G + jr < N) & (n_r > k):
-                cand_row = cand_ptr + r * stride_c
-                out_row = out_ptr + r * stride_o
-                lo_r = tl.load(guess_ptr + r * 2)
-                shift_r = tl.load(guess_ptr + r * 2 + 1)
-                h_r = tl.load(hist_ptr + r * 256 + bins, cache_modifier=".cg")
-                ok_r = tl.sum(h_r, 0) >= k
-                b_r, rem = _pick_digit(h_r, k)
-                if ok_r:
-                    n_list = _sweep(cand_row, cnt_ptr + r * splits, splits, span, lo_r, shift_r, b_r, out_row,
-                                    table_row, seq_len, num_table_blocks, P, True, LBLOCK, W)
-                else:  # the guess failed: score the whole window again into the list
-                    last_r = seq_len - N + g * G + jr
-                    for s0 in range(0, n_r, BLOCK_S):
-                        pos = s0 + tl.arange(0, BLOCK_S)
-                        logit, ok = _score_tile(val_ptr, scale_base, table_row, pos, pos < group_end, q_t, w,
-                                                stride_block, num_blocks, d, BLOCK_S, G_PAD, HI_PAD, P, D)
-                        logit = tl.where(ok[:, None] & (pos[:, None] <= last[None, :]), logit, float("-inf"))
-                        x = tl.sum(tl.where(jg[None, :] == jr, logit, 0.0), 1)
-                        x = tl.where(pos <= last_r, x, float("-inf"))
-                        tl.store(cand_row + pos, (_key(x).to(tl.int64) << 32) | pos.to(tl.int64), mask=pos < n_r)
-                    n_list = n_r
-                _refine(cand_row, n_list, ok_r, b_r, rem, k, lo_r, shift_r, out_row, table_row, seq_len,
-                        num_table_blocks, P, True, SBLOCK, LBLOCK)
+
+
+@triton.jit
+def _finish_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, guess_ptr, out_ptr, stride_o,
+                   cand_ptr, stride_c, cnt_ptr, stride_block, stride_table, num_table_blocks, num_blocks, width, k,
+                   splits, span,
+                   N: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HI_PAD: tl.constexpr,
+                   P: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, FAST: tl.constexpr, CB: tl.constexpr,
+                   W: tl.constexpr, SBLOCK: tl.constexpr, LBLOCK: tl.constexpr):
+    # program (row), once the row is placed (topk's _place_kernel): the bin-b list's best, or, if
+    # fewer than k positions reached the guess, the whole window scored again (with its group's
+    # query tile, as the scoring pass: the same bits) and its k best.
+    r = tl.program_id(0).to(tl.int64)
+    b = r // N
+    jrow = r % N
+    seq_len = tl.load(lens_ptr + b)
+    n_r = tl.minimum(tl.maximum(seq_len - N + jrow + 1, 0), width)
+    if n_r > k:
+        fronts_row = cnt_ptr + r * splits
+        cand_row = cand_ptr + r * stride_c
+        table_row = table_ptr + b * stride_table
+        out_row = out_ptr + r * stride_o
+        lo = tl.load(guess_ptr + r * 4)
+        shift = tl.load(guess_ptr + r * 4 + 1)
+        b_r = tl.load(guess_ptr + r * 4 + 2)  # -1: fewer than k candidates
+        rem = tl.load(guess_ptr + r * 4 + 3)
+        done = False
+        if FAST:
+            done = _finish_fast(cand_row, fronts_row, splits, span, k, b_r, rem, lo, shift, out_row, table_row, seq_len,
+                                num_table_blocks, P, True, CB, W)
+        if not done:
+            _finish_slow(q_ptr, w_ptr, val_ptr, scale_ptr, cand_row, fronts_row, out_row, table_row, lo, shift, b_r, rem,
+                         b, jrow,
+                         seq_len, n_r, stride_block, num_table_blocks, num_blocks, k, splits, span,
+                         N, HI, G, G_PAD, HI_PAD, P, D, BLOCK_S, CB, W, SBLOCK, LBLOCK)
+
+
+@triton.jit
+def _finish_slow(q_ptr, w_ptr, val_ptr, scale_ptr, cand_row, fronts_row, out_row, table_row, lo, shift, b_r, rem,
+                 b, jrow,
+                 seq_len, n_r, stride_block, num_table_blocks, num_blocks, k, splits, span,
+                 N: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HI_PAD: tl.constexpr,
+                 P: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, CB: tl.constexpr, W: tl.constexpr,
+                 SBLOCK: tl.constexpr, LBLOCK: tl.constexpr):
+    """The finish of a row ``_finish_fast`` did not finish: the bin's list gathered in steps, or
+    the whole window scored again (with its group's query tile, as the scoring pass: the same
+    bits) and its k best."""
+    ok = b_r >= 0
+    if ok:
+        n_list = _gather_fronts(cand_row, fronts_row, splits, span, CB, W, LBLOCK)
+    else:
+        g = jrow // G
+        jr = jrow % G
+        m = tl.arange(0, G_PAD * HI_PAD)
+        jj, h = m // HI_PAD, m % HI_PAD
+        j = g * G + jj
+        q_ok = (jj < G) & (j < N) & (h < HI)
+        q_row = (b * N + j) * HI + h
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + q_row[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0)
+        w = tl.load(w_ptr + q_row, mask=q_ok, other=0.0)
+        q_t = tl.trans(q)
+        jg = tl.arange(0, G_PAD)
+        last = seq_len - N + g * G + jg
+        group_end = tl.minimum(seq_len - N + tl.minimum(g * G + G, N), num_table_blocks * P)
+        scale_base = scale_ptr + (P * D // 4)
+        last_r = seq_len - N + jrow
+        for s0 in range(0, n_r, BLOCK_S):
+            pos = s0 + tl.arange(0, BLOCK_S)
+            logit, ok_t = _score_tile(val_ptr, scale_base, table_row, pos, pos < group_end, q_t, w,
+                                      stride_block, num_blocks, d, BLOCK_S, G_PAD, HI_PAD, P, D)
+            logit = tl.where(ok_t[:, None] & (pos[:, None] <= last[None, :]), logit, float("-inf"))
+            x = tl.sum(tl.where(jg[None, :] == jr, logit, 0.0), 1)
+            x = tl.where(pos <= last_r, x, float("-inf"))
+            tl.store(cand_row + pos, (_key(x).to(tl.int64) << 32) | pos.to(tl.int64), mask=pos < n_r)
+        n_list = n_r.to(tl.int32)
+    _refine(cand_row, n_list, ok, b_r, rem, k, lo, shift, out_row, table_row, seq_len, num_table_blocks, P, True,
+            SBLOCK, LBLOCK)
 
 
 def _indexer_topk_paged_triton(q8, weights, index_cache, block_table, seq_lens, block_size, k, max_seq_len, *,
                                sample=_SAMPLE, maxnreg=None, scratch=None, logits=None):
-    """Two launches and a memset. ``sample`` (a power of two >= 16), ``maxnreg`` (None: the
+    """Four launches and a memset. ``sample`` (a power of two >= 16), ``maxnreg`` (None: the
     launcher's choice; 0: none), ``scratch`` (a dict that receives the row histograms) and
     ``logits`` (``[B * N, W]`` fp32 that receives the logits of the positions scored in the
     first pass) for tests and tuning."""
@@ -253,14 +304,15 @@ def _indexer_topk_paged_triton(q8, weights, index_cache, block_table, seq_lens, 
     g, g_pad, hi_pad, block_s, num_warps = _paged_config(n, hi)
     groups = triton.cdiv(n, g)
     tiles = triton.cdiv(width, block_s)
-    tiles_per_prog = max(1, min(16, tiles * b * groups // (4 * _num_sms(device))))  # as indexer_logits_paged
+    # as indexer_logits_paged, but at most _MAX_FAST_REGIONS regions a row, so each row finishes in registers
+    tiles_per_prog = max(1, min(16, tiles * b * groups // (4 * _num_sms(device))), triton.cdiv(tiles, _MAX_FAST_REGIONS))
     splits = triton.cdiv(tiles, tiles_per_prog)
     span = tiles_per_prog * block_s
     i32 = dict(dtype=torch.int32, device=device)
-    zeroed = torch.zeros(rows * 257 + b * groups, **i32)  # row histograms, sample and group tickets
-    hist, smp_tickets, tickets = zeroed[:rows * 256], zeroed[rows * 256:rows * 257], zeroed[rows * 257:]
-    guess = torch.empty((rows, 2), **i32)
+    smp_tickets = torch.zeros(rows, **i32)  # the sample's parts
+    guess = torch.empty((rows, 4), **i32)  # lo, shift (sample); b or -1, rem (place)
     smp = torch.empty((rows, sample), dtype=torch.float32, device=device)
+    hist = torch.empty((rows, splits, 256), **i32)  # every entry of a row with n > k written by its program
     cnt = torch.empty((rows, splits), **i32)
     cand = torch.empty((rows, splits * span), dtype=torch.int64, device=device)
     common = (index_cache.stride(0), block_table.stride(0), block_table.shape[1], index_cache.shape[0], width, k)
@@ -270,17 +322,23 @@ def _indexer_topk_paged_triton(q8, weights, index_cache, block_table, seq_lens, 
     _sample_kernel[(rows, sample // sb)](
         q8, weights, val, scale, block_table, seq_lens, smp, guess, smp_tickets, *common,
         N=n, HI=hi, HI_PAD=hi_pad, P=block_size, D=di, SB=sb, SAMPLE=sample, SEG=_SEG, Z=_Z, num_warps=4)
-    per_region = (k + _Z * math.sqrt(k * width / sample)) / splits
-    if maxnreg is None:  # the finish code must not cost the scoring loop its occupancy (measured with ptxas)
+    if maxnreg is None:  # the histogram code must not cost the scoring loop its occupancy (measured with ptxas)
         maxnreg = 128 if g_pad == 1 else 160
     opts = dict(maxnreg=maxnreg) if maxnreg and not TRITON_INTERPRET else {}
-    tile_width = min(_LBLOCK, triton.next_power_of_2(int(1.5 * per_region) + 16))
+    shape = dict(N=n, HI=hi, G=g, G_PAD=g_pad, HI_PAD=hi_pad, P=block_size, D=di, BLOCK_S=block_s)
     _fused_kernel[(b * groups, splits)](
         q8, weights, val, scale, block_table, seq_lens, guess, slots, slots.stride(0),
-        cand, cand.stride(0), cnt, hist, tickets, slots if logits is None else logits, *common, tiles_per_prog, splits,
-        N=n, HI=hi, G=g, G_PAD=g_pad, HI_PAD=hi_pad, P=block_size, D=di, BLOCK_S=block_s, HBLOCK=_HBLOCK,
-        SBLOCK=_SBLOCK, LBLOCK=_LBLOCK, W=tile_width, LOGITS=logits is not None, num_warps=num_warps, num_stages=3,
+        cand, cand.stride(0), cnt, hist, slots if logits is None else logits, *common, tiles_per_prog, splits,
+        **shape, HBLOCK=_HBLOCK, LBLOCK=_LBLOCK, LOGITS=logits is not None, num_warps=num_warps, num_stages=3,
         **opts)
+    table = (block_table, block_table.stride(0), seq_lens, seq_lens, b, block_table.shape[1], block_size)
+    _place_kernel[(rows, splits)](
+        seq_lens, seq_lens, width, slots, slots.stride(0), cand, cand.stride(0), cnt, hist, guess, *table, k, splits,
+        span, HAS_STARTS=False, SLOTS=True, ROW_DIV=n, LBLOCK=_LBLOCK, num_warps=4)
+    fast, cb, w = _finish_tiles(k, width, sample, splits)
+    _finish_kernel[(rows,)](
+        q8, weights, val, scale, block_table, seq_lens, guess, slots, slots.stride(0), cand, cand.stride(0), cnt,
+        *common, splits, span, **shape, FAST=fast, CB=cb, W=w, SBLOCK=_SBLOCK, LBLOCK=_LBLOCK, num_warps=num_warps)
     return slots
 
 

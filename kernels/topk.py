@@ -62,41 +62,43 @@ def topk_indices_reference(logits, lengths, k, starts=None):
 
 # ---------------------------------------------------------------- Triton: guess, verify, refine
 #
-# One launch (and a memset of the row counters). Keys: ``_key`` of the fp32 bits, an int32 whose
-# signed order is ``_order_key``'s (NaN by its bits). A row of ``n > k`` columns is cut into C
-# chunks, one program each:
+# Three launches, no memset, no atomics. Keys: ``_key`` of the fp32 bits, an int32 whose signed
+# order is ``_order_key``'s (NaN by its bits). A row of ``n > k`` columns is cut into C chunks:
 #
-#   guess   every program of the row reads the same sample (SAMPLE columns spread over the window)
-#           and takes from it a key ``lo`` that, very likely, at least k columns of the row reach,
-#           and a bin width ``2**shift`` that cuts the sample's band around the k-th value into
-#           ~64 bins (``bin = min((key - lo) >> shift, 255)``);
-#   verify  it appends its chunk's columns with ``key >= lo`` (the candidates, as
-#           ``key << 32 | column``, in column order) to its region of the row's candidate buffer
-#           (a region holds a whole chunk: nothing can overflow), and adds their bin histogram
-#           into the row's total;
-#   refine  the row's last program to finish (an atomic ticket, no waiting) reads the total. If at
-#           least k candidates exist, the k-th value lies in the bin b found from the top: the
-#           candidates above b are written out, those in b are listed (in column order, over the
-#           regions already read) and their k-th value is found digit by digit on the bits below
-#           the bin; then those above it are written and the first ones equal to it. If fewer than k
-#           columns reached ``lo`` (a wrong guess: data built against the sample), the same program
-#           lists the whole row and selects from it the same way: slower, equally exact.
+#   scan    (program per chunk) every program of the row reads the same sample (SAMPLE columns
+#           spread over the window) and takes from it a key ``lo`` that, very likely, at least k
+#           columns of the row reach, and a bin width ``2**shift`` that cuts the sample's band
+#           around the k-th value into ~64 bins (``bin = min((key - lo) >> shift, 255)``). It
+#           appends its chunk's columns with ``key >= lo`` (as ``key << 32 | column``, in column
+#           order) to its region of the row's candidate buffer (a region holds a whole chunk:
+#           nothing can overflow) and stores their bin histogram as the region's;
+#   place   (program per chunk) sums the row's region histograms: if at least k candidates exist,
+#           the k-th value lies in the bin b found from the top. The program writes its region's
+#           candidates above b to the output (at the count of those in the regions before it) and
+#           moves those in b to the front of its region, in column order;
+#   finish  (program per row) gathers the regions' b entries into one list (in column order) and
+#           finds their k-th value digit by digit on the bits below the bin; then writes those above
+#           it and the first ones equal to it. If fewer than k columns reached ``lo`` (a wrong
+#           guess: data built against the sample), it lists the whole row and selects from it the
+#           same way: slower, equally exact.
 #
 # Ties at the k-th value go to the first entries of the list, which is in column order; every
 # offset comes from counts summed in a fixed order, so the output is deterministic. The scan reads
 # each column once and does a compare and a prefix sum; histograms (``tl.histogram`` lowers to
 # warp ballots, ~2 instructions per column) only ever see the sample and the candidates.
 
-_BLOCK = 2048  # scan: columns per step (8 warps x 32 threads x 8 fp32)
-_NUM_WARPS = 8
-_PROGRAMS = 264  # programs per launch the row split aims at (2 per H200 SM)
+_BLOCK = 1024  # scan: columns per step (4 warps x 32 threads x 8 fp32)
+_NUM_WARPS = 4
+_PROGRAMS = 264  # scan programs per launch the row split aims at (2 per H200 SM)
 _MIN_CHUNK = 4096  # columns per program at least: every program pays for the same guess
-_SAMPLE = 1024  # sample columns per row, read in runs of _SEG
+_SAMPLE = 512  # sample columns per row, read in runs of _SEG (every scan program reads it: the guess)
 _SEG = 4
 _Z = 5.0  # guess margin, in standard deviations of the sample count above the k-th value
 _HBLOCK = 512  # candidates per histogram step of a program's own region
 _SBLOCK = 512  # lists up to this length are refined in registers
 _LBLOCK = 1024  # refine: entries per step
+_HREGIONS = tl.constexpr(32)  # region histograms summed per step
+_MAX_FAST_REGIONS = 64  # rows of at most this many regions may finish in registers
 _INT_MIN = tl.constexpr(-2147483648)  # the lowest key
 
 
@@ -213,61 +215,6 @@ def _store_positions(out_row, idx, pos, mask, bt_row, seq_len, MB, P, SLOTS: tl.
 
 
 @triton.jit
-def _cumsum_2d(x):
-    """Inclusive prefix sum of ``x [A, W]`` in row-major order."""
-    rows = tl.sum(x, 1)
-    return tl.cumsum(x, 1) + (tl.cumsum(rows, 0) - rows)[:, None]
-
-
-@triton.jit
-def _sweep_tile(e, m, lo, shift, b, n_gt, n_eq, cand_row, out_row, bt_row, seq_len, MB, P, SLOTS: tl.constexpr):
-    """One tile ``e [A, W]`` of candidates (row-major = column order): bins above ``b`` to the
-    output at ``n_gt...``, bin ``b`` to the list at ``cand_row[n_eq...]``."""
-    key = (e >> 32).to(tl.int32)
-    bn = _bins(key, lo, shift)
-    gt = m & (bn > b)
-    eq = m & (bn == b)
-    both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # two counts, 16 bits each
-    rank = _cumsum_2d(both)
-    tl.debug_barrier()  # the whole tile is read before the list overwrites any of it
-    _store_positions(out_row, n_gt + (rank & 65535) - 1, e.to(tl.int32), gt, bt_row, seq_len, MB, P, SLOTS)
-    tl.store(cand_row + n_eq + (rank >> 16) - 1, e, mask=eq)
-    total = tl.sum(tl.sum(both, 1), 0)
-    return n_gt + (total & 65535), n_eq + (total >> 16)
-
-
-@triton.jit
-def _sweep(cand_row, cnt_r, C, CAP, lo, shift, b, out_row, bt_row, seq_len, MB, P,
-           SLOTS: tl.constexpr, LBLOCK: tl.constexpr, W: tl.constexpr):
-    """Read the C regions in order: candidates above bin ``b`` go to the output, those in ``b`` to a
-    list at the front of the buffer, in column order (an entry is listed at an index below the
-    number read so far, so never over one not yet read). Returns the list's length."""
-    CB: tl.constexpr = LBLOCK // W
-    regions = tl.arange(0, CB)
-    cols = tl.arange(0, W)
-    idx = tl.arange(0, LBLOCK)
-    n_gt = 0
-    n_eq = 0
-    for c0 in range(0, C, CB):
-        c = c0 + regions
-        cnt = tl.load(cnt_r + c, mask=c < C, other=0, cache_modifier=".cg")
-        if tl.max(cnt, 0) <= W:  # CB whole regions in one tile
-            m = cols[None, :] < cnt[:, None]
-            e = tl.load(cand_row + (c * CAP)[:, None] + cols[None, :], mask=m, other=0, cache_modifier=".cg")
-            n_gt, n_eq = _sweep_tile(e, m, lo, shift, b, n_gt, n_eq, cand_row, out_row, bt_row, seq_len, MB, P,
-                                     SLOTS)
-        else:
-            for ci in range(c0, tl.minimum(c0 + CB, C)):
-                n_c = tl.load(cnt_r + ci, cache_modifier=".cg")
-                for j in range(0, n_c, LBLOCK):
-                    m = j + idx < n_c
-                    e = tl.load(cand_row + ci * CAP + j + idx, mask=m, other=0, cache_modifier=".cg")
-                    n_gt, n_eq = _sweep_tile(e[None, :], m[None, :], lo, shift, b, n_gt, n_eq, cand_row, out_row,
-                                             bt_row, seq_len, MB, P, SLOTS)
-    return n_eq
-
-
-@triton.jit
 def _digit(v, hi_bit, lo_bit):
     return ((v >> lo_bit) & ((1 << (hi_bit - lo_bit)) - 1)).to(tl.int32)
 
@@ -289,6 +236,21 @@ def _write_block(out_row, out_base, need, rem, e, v, m, t, n_gt, n_eq, bt_row, s
 
 
 @triton.jit
+def _select_tile(e, m, need, out_base, base, top, prefix, out_row, bt_row, seq_len, MB, P, SLOTS: tl.constexpr):
+    """``_select`` of the entries ``e [E]`` (in column order) where ``m``, held in registers."""
+    rem = need
+    hi_bit = top
+    v = (e >> 32) - base
+    while hi_bit > 0:
+        lo_bit = tl.maximum(hi_bit - 8, 0)
+        h = tl.histogram(_digit(v, hi_bit, lo_bit), 256, mask=m & ((v >> hi_bit) == prefix))
+        d, rem = _pick_digit(h, rem)
+        prefix = (prefix << (hi_bit - lo_bit)) | d
+        hi_bit = lo_bit
+    _write_block(out_row, out_base, need, rem, e, v, m, prefix, 0, 0, bt_row, seq_len, MB, P, SLOTS)
+
+
+@triton.jit
 def _select(lst, n, need, out_base, base, top, prefix, out_row, bt_row, seq_len, MB, P,
             SLOTS: tl.constexpr, SBLOCK: tl.constexpr, LBLOCK: tl.constexpr):
     """Write the ``need`` best of the ``n`` list entries (``key << 32 | column``, in column order) at
@@ -299,15 +261,8 @@ def _select(lst, n, need, out_base, base, top, prefix, out_row, bt_row, seq_len,
     if n <= SBLOCK:  # the list in registers
         sidx = tl.arange(0, SBLOCK)
         m = sidx < n
-        e = tl.load(lst + sidx, mask=m, other=0, cache_modifier=".cg")
-        v = (e >> 32) - base
-        while hi_bit > 0:
-            lo_bit = tl.maximum(hi_bit - 8, 0)
-            h = tl.histogram(_digit(v, hi_bit, lo_bit), 256, mask=m & ((v >> hi_bit) == prefix))
-            d, rem = _pick_digit(h, rem)
-            prefix = (prefix << (hi_bit - lo_bit)) | d
-            hi_bit = lo_bit
-        _write_block(out_row, out_base, need, rem, e, v, m, prefix, 0, 0, bt_row, seq_len, MB, P, SLOTS)
+        _select_tile(tl.load(lst + sidx, mask=m, other=0, cache_modifier=".cg"), m, need, out_base, base, top, prefix,
+                     out_row, bt_row, seq_len, MB, P, SLOTS)
     else:
         idx = tl.arange(0, LBLOCK)
         while hi_bit > 0:
@@ -354,64 +309,250 @@ def _refine(lst, n_list, ok, b, rem, k, lo, shift, out_row, bt_row, seq_len, MB,
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_o,
-                 cand_ptr, stride_c, cnt_ptr, hist_ptr, ticket_ptr,
-                 bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P,
-                 L, k, C, CAP,
-                 HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
-                 SEG: tl.constexpr, Z: tl.constexpr, HBLOCK: tl.constexpr, SBLOCK: tl.constexpr,
-                 LBLOCK: tl.constexpr, W: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
+def _row_window(lengths_ptr, starts_ptr, r, L, HAS_STARTS: tl.constexpr):
+    """``(start, n)`` of row ``r``'s window (negative starts and lengths count as 0)."""
     start = 0
     if HAS_STARTS:
-        start = tl.maximum(tl.load(starts_ptr + r), 0)  # negative starts count from 0 (as the reference)
-    n = tl.maximum(tl.minimum(tl.load(lengths_ptr + r), L - start), 0)
-    row_l = logits_ptr + r * stride_l + start  # column `pos` of the row's window at row_l + pos
-    out_row = out_ptr + r * stride_o
+        start = tl.maximum(tl.load(starts_ptr + r), 0)
+    return start, tl.maximum(tl.minimum(tl.load(lengths_ptr + r), L - start), 0)
+
+
+@triton.jit
+def _row_request(r, row_to_req_ptr, bt_ptr, stride_bt, seq_lens_ptr, B, SLOTS: tl.constexpr, ROW_DIV: tl.constexpr):
+    """``(block table row, seq_len)`` of row ``r``'s request: ``r // ROW_DIV``, or ``row_to_req[r]``
+    when ROW_DIV is 0; a row of no request maps nothing (seq_len 0, the table never read)."""
     bt_row = bt_ptr
     seq_len = 0
     if SLOTS:
-        req = tl.load(row_to_req_ptr + r).to(tl.int64)
-        req_ok = (req >= 0) & (req < B)  # a row of no request maps nothing: seq_len 0, table never read
+        if ROW_DIV == 0:
+            req = tl.load(row_to_req_ptr + r).to(tl.int64)
+        else:
+            req = r // ROW_DIV
+        req_ok = (req >= 0) & (req < B)
         req = tl.where(req_ok, req, 0)
         bt_row = bt_ptr + req * stride_bt
         seq_len = tl.load(seq_lens_ptr + req, mask=req_ok, other=0)
+    return bt_row, seq_len
+
+
+@triton.jit
+def _threshold(hist_row, C, k, before):
+    """From the ``C`` region histograms ``hist_row [C, 256]``: ``(ok, b, rem, n_gt)``, whether at
+    least k candidates exist, the bin of the k-th best, how many of bin b are still needed, and
+    how many candidates above b the regions before region ``before`` hold."""
+    bins = tl.arange(0, 256)
+    regions = tl.arange(0, _HREGIONS)
+    if C <= _HREGIONS:  # one tile: one round trip
+        t = tl.load(hist_row + (regions * 256)[:, None] + bins[None, :], mask=(regions < C)[:, None], other=0)
+        h = tl.sum(t, 0)
+        b, rem = _pick_digit(h, k)
+        n_gt = tl.sum(tl.sum(tl.where((regions < before)[:, None] & (bins > b)[None, :], t, 0), 1), 0)
+    else:
+        h = tl.zeros([256], tl.int32)
+        for c0 in range(0, C, _HREGIONS):
+            c = c0 + regions
+            h += tl.sum(tl.load(hist_row + (c * 256)[:, None] + bins[None, :], mask=(c < C)[:, None], other=0), 0)
+        b, rem = _pick_digit(h, k)
+        n_gt = 0
+        for c0 in range(0, before, _HREGIONS):
+            c = c0 + regions
+            t = tl.load(hist_row + (c * 256)[:, None] + bins[None, :], mask=(c < before)[:, None] & (bins > b)[None, :],
+                        other=0)
+            n_gt += tl.sum(tl.sum(t, 1), 0)
+    return tl.sum(h, 0) >= k, b, rem, n_gt
+
+
+@triton.jit
+def _scan_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_o, cand_ptr, stride_c,
+                 cnt_ptr, hist_ptr, guess_ptr, bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P,
+                 L, k, C, CAP,
+                 HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
+                 SEG: tl.constexpr, Z: tl.constexpr, HBLOCK: tl.constexpr):
+    # program (row, chunk): the guess, then the chunk's candidates into its region, their bin
+    # histogram into hist[row, chunk]; chunk 0 also stores the guess (and writes dense rows).
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    start, n = _row_window(lengths_ptr, starts_ptr, r, L, HAS_STARTS)
+    row_l = logits_ptr + r * stride_l + start  # column `pos` of the row's window at row_l + pos
     if n <= k:  # dense row: 0, 1, ..., n - 1, then -1
         if c == 0:
+            bt_row, seq_len = _row_request(r, row_to_req_ptr, bt_ptr, stride_bt, seq_lens_ptr, B, SLOTS, 0)
             cols = tl.arange(0, BLOCK)
             for j in range(0, k, BLOCK):
                 idx = j + cols
-                _store_positions(out_row, idx, tl.where(idx < n, idx, -1), idx < k, bt_row, seq_len, MB, P, SLOTS)
+                _store_positions(out_ptr + r * stride_o, idx, tl.where(idx < n, idx, -1), idx < k, bt_row, seq_len,
+                                 MB, P, SLOTS)
     else:
-        lo, shift = _guess(row_l, n, k, SAMPLE, SEG, Z)
         chunk = ((n + C - 1) // C + 3) // 4 * 4  # <= CAP
+        col_lo = c * chunk
+        col_hi = tl.minimum(col_lo + chunk, n)
+        pos = col_lo + tl.arange(0, BLOCK)
+        x = tl.load(row_l + pos, mask=pos < col_hi, other=0.0)  # two steps' bytes fly during the guess
+        x1 = tl.load(row_l + pos + BLOCK, mask=pos + BLOCK < col_hi, other=0.0)
+        lo, shift = _guess(row_l, n, k, SAMPLE, SEG, Z)
         region = cand_ptr + r * stride_c + c * CAP
-        cnt = _scan(row_l, c * chunk, tl.minimum(c * chunk + chunk, n), lo, region, BLOCK)
+        cnt = 0
+        for _j in range(col_lo, col_hi, BLOCK):  # the load two steps ahead is issued before this step's work
+            x2 = tl.load(row_l + pos + 2 * BLOCK, mask=pos + 2 * BLOCK < col_hi, other=0.0)
+            key = _key(x)
+            cnt = _append(region, cnt, key, pos, (pos < col_hi) & (key >= lo))
+            pos, x, x1 = pos + BLOCK, x1, x2
         tl.debug_barrier()  # the region is written before this program reads it back
         h = _region_hist(region, cnt, lo, shift, HBLOCK)
-        tl.atomic_add(hist_ptr + r * 256 + tl.arange(0, 256), h, sem="relaxed")
+        tl.store(hist_ptr + (r * C + c) * 256 + tl.arange(0, 256), h)
         tl.store(cnt_ptr + r * C + c, cnt)
-        tl.debug_barrier()  # every thread's writes are done before the ticket releases them
-        if tl.atomic_add(ticket_ptr + r, 1, sem="acq_rel") == C - 1:  # the row's last program
-            cand_row = cand_ptr + r * stride_c
-            h = tl.load(hist_ptr + r * 256 + tl.arange(0, 256), cache_modifier=".cg")
-            ok = tl.sum(h, 0) >= k
-            b, rem = _pick_digit(h, k)
-            if ok:
-                n_list = _sweep(cand_row, cnt_ptr + r * C, C, CAP, lo, shift, b, out_row, bt_row, seq_len, MB, P,
-                                SLOTS, LBLOCK, W)
+        if c == 0:
+            tl.store(guess_ptr + r * 4, lo)
+            tl.store(guess_ptr + r * 4 + 1, shift)
+
+
+@triton.jit
+def _place_kernel(lengths_ptr, starts_ptr, window, out_ptr, stride_o, cand_ptr, stride_c, cnt_ptr, hist_ptr,
+                  guess_ptr, bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P, k, C, CAP,
+                  HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr, ROW_DIV: tl.constexpr, LBLOCK: tl.constexpr):
+    # program (row, region), once every region of the row is scanned: the region's candidates above
+    # the k-th value's bin b to the output, at the count of those in the regions before it; those
+    # in b to the front of the region, in column order. Rows: ``_row_window`` of lengths/starts,
+    # or (ROW_DIV > 0, decode rows r = req * ROW_DIV + j) ``min(seq_len - ROW_DIV + j + 1, window)``.
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    bt_row, seq_len = _row_request(r, row_to_req_ptr, bt_ptr, stride_bt, seq_lens_ptr, B, SLOTS, ROW_DIV)
+    if ROW_DIV == 0:
+        _start, n = _row_window(lengths_ptr, starts_ptr, r, window, HAS_STARTS)
+    else:
+        n = tl.minimum(tl.maximum(seq_len - ROW_DIV + r % ROW_DIV + 1, 0), window)
+    if n > k:
+        region = cand_ptr + r * stride_c + c * CAP
+        idx = tl.arange(0, LBLOCK)
+        n_c = tl.load(cnt_ptr + r * C + c)
+        e = tl.load(region + idx, mask=idx < CAP, other=0)  # the first step, in flight with the histograms
+        lo = tl.load(guess_ptr + r * 4)
+        shift = tl.load(guess_ptr + r * 4 + 1)
+        ok, b, rem, n_gt = _threshold(hist_ptr + r * C * 256, C, k, c)
+        if c == 0:  # the row's selection, for the finish
+            tl.store(guess_ptr + r * 4 + 2, tl.where(ok, b, -1))
+            tl.store(guess_ptr + r * 4 + 3, rem)
+        if ok:
+            out_row = out_ptr + r * stride_o
+            n_eq = 0
+            for j in range(0, n_c, LBLOCK):
+                m = j + idx < n_c
+                e_next = tl.load(region + j + LBLOCK + idx, mask=m & (j + LBLOCK + idx < n_c), other=0)
+                bn = _bins((e >> 32).to(tl.int32), lo, shift)
+                gt = m & (bn > b)
+                eq = m & (bn == b)
+                rank = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)  # two counts, 16 bits each
+                tl.debug_barrier()  # the step is read before the front is overwritten
+                _store_positions(out_row, n_gt + (rank & 65535) - 1, e.to(tl.int32), gt, bt_row, seq_len, MB, P,
+                                 SLOTS)
+                tl.store(region + n_eq + (rank >> 16) - 1, e, mask=eq)
+                total = tl.max(rank, 0)
+                n_gt += total & 65535
+                n_eq += total >> 16
+                e = e_next
+            tl.store(cnt_ptr + r * C + c, n_eq)  # the region's count is now its front's
+
+
+@triton.jit
+def _gather_fronts(cand_row, fronts_row, C, CAP, CB: tl.constexpr, W: tl.constexpr, LBLOCK: tl.constexpr):
+    """Move the bin-b entries at the front of each of the ``C`` regions (``fronts_row[c]`` of them,
+    in column order) into one list at ``cand_row[0:]``, regions in order; its length. An
+    entry moves to an index below its own and below every later region, so nothing unread is
+    overwritten: a tile of CB regions is read whole before it is written, a longer front step by
+    step."""
+    regions = tl.arange(0, CB)
+    cols = tl.arange(0, W)
+    idx = tl.arange(0, LBLOCK)
+    n_list = 0
+    for c0 in range(0, C, CB):
+        c = c0 + regions
+        e_c = tl.load(fronts_row + c, mask=c < C, other=0)
+        dest = n_list + tl.cumsum(e_c, 0) - e_c  # [CB] where each front goes
+        if tl.max(e_c, 0) <= W:
+            m = cols[None, :] < e_c[:, None]
+            t = tl.load(cand_row + (c * CAP)[:, None] + cols[None, :], mask=m, other=0, cache_modifier=".cg")
+            tl.debug_barrier()
+            tl.store(cand_row + dest[:, None] + cols[None, :], t, mask=m)
+        else:
+            for ci in range(c0, tl.minimum(c0 + CB, C)):
+                e_i = tl.sum(tl.where(regions == ci - c0, e_c, 0), 0)
+                d_i = tl.sum(tl.where(regions == ci - c0, dest, 0), 0)
+                for j in range(0, e_i, LBLOCK):
+                    m = j + idx < e_i
+                    t = tl.load(cand_row + ci * CAP + j + idx, mask=m, other=0, cache_modifier=".cg")
+                    tl.debug_barrier()
+                    tl.store(cand_row + d_i + j + idx, t, mask=m)
+        n_list += tl.sum(e_c, 0)
+    return n_list
+
+
+@triton.jit
+def _finish_fast(cand_row, fronts_row, C, CAP, k, b, rem, lo, shift, out_row, bt_row, seq_len, MB, P,
+                 SLOTS: tl.constexpr, CB: tl.constexpr, W: tl.constexpr):
+    """The usual finish, in registers, of a row of at most CB regions (``C <= CB``) whose k-th
+    value's bin ``b`` is known (``b >= 0``): the front counts and the regions' first W entries come
+    in one round trip, and if every front fits in W, the ``[CB, W]`` tile of fronts (row-major:
+    column order) is the list. Returns whether it finished the row."""
+    regions = tl.arange(0, CB)
+    cols = tl.arange(0, W)
+    e_c = tl.load(fronts_row + regions, mask=regions < C, other=0)
+    f = tl.load(cand_row + (regions * CAP)[:, None] + cols[None, :], mask=(regions < C)[:, None] & (cols < CAP)[None, :],
+                other=0)
+    fast = (b >= 0) & (tl.max(e_c, 0) <= W)
+    if fast:
+        m = tl.reshape((cols[None, :] < e_c[:, None]).to(tl.int32), [CB * W]) != 0
+        in_bin = b < 255  # the list shares the bits above `shift`
+        _select_tile(tl.reshape(f, [CB * W]), m, rem, k - rem, lo.to(tl.int64), tl.where(in_bin, shift, 32),
+                     tl.where(in_bin, b, 0).to(tl.int64), out_row, bt_row, seq_len, MB, P, SLOTS)
+    return fast
+
+
+@triton.jit
+def _finish_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_o, cand_ptr, stride_c, cnt_ptr,
+                   guess_ptr, bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P, L, k, C, CAP,
+                   HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
+                   CB: tl.constexpr, W: tl.constexpr, SBLOCK: tl.constexpr, LBLOCK: tl.constexpr):
+    # program (row), once the row is placed: the bin-b list's best, or the whole row's k best.
+    r = tl.program_id(0).to(tl.int64)
+    start, n = _row_window(lengths_ptr, starts_ptr, r, L, HAS_STARTS)
+    if n > k:
+        bt_row, seq_len = _row_request(r, row_to_req_ptr, bt_ptr, stride_bt, seq_lens_ptr, B, SLOTS, 0)
+        cand_row = cand_ptr + r * stride_c
+        out_row = out_ptr + r * stride_o
+        lo = tl.load(guess_ptr + r * 4)
+        shift = tl.load(guess_ptr + r * 4 + 1)
+        b = tl.load(guess_ptr + r * 4 + 2)  # -1: fewer than k candidates
+        rem = tl.load(guess_ptr + r * 4 + 3)
+        done = False
+        if FAST:
+            done = _finish_fast(cand_row, cnt_ptr + r * C, C, CAP, k, b, rem, lo, shift, out_row, bt_row, seq_len, MB, P,
+                                SLOTS, CB, W)
+        if not done:
+            if b >= 0:
+                n_list = _gather_fronts(cand_row, cnt_ptr + r * C, C, CAP, CB, W, LBLOCK)
             else:
-                _list_row(row_l, n, cand_row, BLOCK)
-                n_list = n
-            _refine(cand_row, n_list, ok, b, rem, k, lo, shift, out_row, bt_row, seq_len, MB, P, SLOTS, SBLOCK, LBLOCK)
+                _list_row(logits_ptr + r * stride_l + start, n, cand_row, BLOCK)
+                n_list = n.to(tl.int32)
+            _refine(cand_row, n_list, b >= 0, b, rem, k, lo, shift, out_row, bt_row, seq_len, MB, P, SLOTS, SBLOCK,
+                    LBLOCK)
+
+
+def _finish_tiles(k, width, sample, chunks):
+    """``(FAST, CB, W)``: whether the finish may try ``_finish_fast`` (at most 64 regions), regions
+    per tile and entries per region front of a tile, sized for the expected bin-b list (the guess
+    band spans < 64 bins) with room to spare."""
+    per_region = (k + _Z * math.sqrt(k * width / sample)) / 64 / chunks
+    w = min(_LBLOCK, triton.next_power_of_2(int(2 * per_region) + 8))
+    cb = max(1, min(triton.next_power_of_2(chunks), _LBLOCK // w))
+    return chunks <= cb and chunks <= _MAX_FAST_REGIONS, cb, w
 
 
 def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, programs=_PROGRAMS, min_chunk=_MIN_CHUNK,
                  sample=_SAMPLE, num_warps=_NUM_WARPS, out=None, scratch=None):
-    """One launch. ``slots``: ``(block_table, row_to_req, seq_lens, block_size)`` to write slots;
-    ``block``/``programs``/``min_chunk``/``sample``/``num_warps``/``out`` for tests and tuning;
-    ``scratch``: a dict that receives the row histograms, region counts and tile width (tests)."""
+    """Three launches. ``slots``: ``(block_table, row_to_req, seq_lens, block_size)`` to write
+    slots; ``block``/``programs``/``min_chunk``/``sample``/``num_warps``/``out`` for tests and
+    tuning; ``scratch``: a dict that receives the region histograms ``[R, C, 256]``, the region
+    counts ``[R, C]`` and the finish tile's ``(CB, W)`` (tests)."""
     r, width = logits.shape
     if out is None:
         out = torch.empty((r, k), dtype=torch.int32, device=logits.device)
@@ -424,30 +565,35 @@ def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, progra
     cap = triton.cdiv(triton.cdiv(width, chunks), 4) * 4
     i32 = dict(dtype=torch.int32, device=logits.device)
     if width <= k:  # every row is dense: nothing else is read
-        hist = tickets = cnt = cand = out
+        hist = cnt = guess = cand = out
     else:
-        zeroed = torch.zeros(r * 257, **i32)  # one memset: row histograms (added atomically), tickets
-        hist, tickets = zeroed[:r * 256], zeroed[r * 256:]
-        cnt = torch.empty((r, chunks), **i32)  # every entry written by its program
+        hist = torch.empty((r, chunks, 256), **i32)  # every entry of a row with n > k written by its program
+        cnt = torch.empty((r, chunks), **i32)
+        guess = torch.empty((r, 4), **i32)  # lo, shift (scan); b or -1, rem (place)
         cand = torch.empty((r, chunks * cap), dtype=torch.int64, device=logits.device)
-    # entries a region holds, about: k plus the guess margin, over the chunks (a larger region
-    # takes the slower per-region path of the sweep)
-    per_region = (k + _Z * math.sqrt(k * width / sample)) / chunks
-    w = min(_LBLOCK, triton.next_power_of_2(int(1.5 * per_region) + 16))
+    fast, cb, w = _finish_tiles(k, width, sample, chunks)
     if scratch is not None:
-        scratch.update(hist=hist, counts=cnt, tile_width=w)
+        scratch.update(hist=hist, counts=cnt, tiles=(cb, w))
     if slots is None:
         bt, row_to_req, seq_lens, block_size = out, out, out, 1
     else:
         bt, row_to_req, seq_lens, block_size = slots
         bt, row_to_req, seq_lens = bt.contiguous(), row_to_req.contiguous(), seq_lens.contiguous()
-    _topk_kernel[(r, chunks)](
-        logits, logits.stride(0), lengths, starts_t, out, out.stride(0),
-        cand, cand.stride(0), cnt, hist, tickets,
-        bt, bt.stride(0), row_to_req, seq_lens, bt.shape[0], bt.shape[1], block_size,
-        width, k, chunks, cap,
-        HAS_STARTS=starts is not None, SLOTS=slots is not None, BLOCK=block, SAMPLE=sample, SEG=_SEG, Z=_Z,
-        HBLOCK=_HBLOCK, SBLOCK=_SBLOCK, LBLOCK=_LBLOCK, W=w, num_warps=num_warps)
+    table = (bt, bt.stride(0), row_to_req, seq_lens, bt.shape[0], bt.shape[1], block_size)
+    flags = dict(HAS_STARTS=starts is not None, SLOTS=slots is not None)
+    _scan_kernel[(r, chunks)](
+        logits, logits.stride(0), lengths, starts_t, out, out.stride(0), cand, cand.stride(0), cnt, hist, guess,
+        *table, width, k, chunks, cap, **flags, BLOCK=block, SAMPLE=sample, SEG=_SEG, Z=_Z, HBLOCK=_HBLOCK,
+        num_warps=num_warps)
+    if width <= k:
+        return out
+    _place_kernel[(r, chunks)](
+        lengths, starts_t, width, out, out.stride(0), cand, cand.stride(0), cnt, hist, guess, *table, k, chunks, cap,
+        **flags, ROW_DIV=0, LBLOCK=_LBLOCK, num_warps=4)
+    _finish_kernel[(r,)](
+        logits, logits.stride(0), lengths, starts_t, out, out.stride(0), cand, cand.stride(0), cnt, guess, *table,
+        width, k, chunks, cap, **flags, BLOCK=block, FAST=fast, CB=cb, W=w, SBLOCK=_SBLOCK, LBLOCK=_LBLOCK,
+        num_warps=num_warps)
     return out
 
 

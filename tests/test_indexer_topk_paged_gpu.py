@@ -73,7 +73,7 @@ def test_a_window_built_against_the_sample(paged):
     scale[slots // P, slots % P] = 64.0
     scratch = {}
     out = _indexer_topk_paged_triton(q8, w, cache, table, lens, P, 2048, MAX_S, scratch=scratch)
-    assert scratch["hist"].view(64, 256)[0].sum() < 2048, "the guess must fail"
+    assert scratch["hist"][0].sum() < 2048, "the guess must fail"
     ref, lengths = unfused(q8, w, cache, table, lens, 2048, MAX_S, "triton", p=P)
     assert_same_slots(out, ref, lengths, 2048)
 
@@ -84,8 +84,9 @@ def test_cuda_graph_and_launches(paged):
     seq_lens = lens.clone()
     run = lambda: K.indexer_topk_paged(q8, w, cache, table, seq_lens, P, 2048, MAX_S + 100)  # noqa: E731
     names = _launches(run)
-    assert sum("_sample_kernel" in x for x in names) == 1 and sum("_fused_kernel" in x for x in names) == 1, names
-    assert len(names) <= 3, names  # and the memset of the row counters
+    for kernel in ("_sample_kernel", "_fused_kernel", "_place_kernel", "_finish_kernel"):
+        assert sum(kernel in x for x in names) == 1, names
+    assert len(names) <= 5, names  # and the memset of the sample's tickets
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()

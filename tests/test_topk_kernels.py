@@ -220,12 +220,13 @@ def test_every_path_is_exact():
     out = _topk_triton(logits, lengths, k, None, out=torch.full((len(rows), k), POISON, dtype=torch.int32),
                        scratch=scratch, sample=sample, **SMALL)
     check_topk(out, logits, lengths, k, ref=topk_indices_reference(logits, lengths, k))
-    hist, counts = scratch["hist"].view(len(rows), 256), scratch["counts"]
+    regions = scratch["hist"]  # [R, C, 256]
+    hist = regions.sum(1)
     total = hist.sum(1)
     at_least = total[:, None] - hist.cumsum(1) + hist
     b = (at_least >= k).sum(1) - 1
-    listed = hist.gather(1, b.clamp_min(0)[:, None])[:, 0]
+    fronts = regions.gather(2, b.clamp_min(0)[:, None, None].expand(-1, regions.shape[1], 1))[..., 0]  # [R, C]
     assert torch.all(total[:2] < k), "the baited rows must fail the guess"
     assert b[2] == 255, "the far row's k-th value must lie in the clamped top bin"
-    assert counts[3].max() > scratch["tile_width"] and listed[3] > 512, "the constant row must take the slow paths"
+    assert fronts[3].max() > scratch["tiles"][1] and fronts[3].sum() > 512, "the constant row must take the slow paths"
     assert torch.all(total[4:] >= k) and torch.all(b[4:] < 255), "ordinary rows take the fast path"

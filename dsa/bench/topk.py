@@ -1,12 +1,14 @@
 """``dsa bench topk``: top-2048 of each logits row (Triton ``topk_indices`` / ``topk_slots``), torch.topk
 and the torch reference in the same run. Bytes: the logits read once (the floor).
 
-The Triton op is one launch and a memset; called eagerly its time includes Triton's host-side
-launch cost, so it is also timed replayed from a CUDA graph (``+graph``, how decode runs it).
+The Triton op is three launches (scan, place, finish); called eagerly its time includes Triton's
+host-side launch cost, so it is also timed replayed from a CUDA graph (``+graph``, how decode runs it).
+``--variants`` adds graph-replay rows of the launcher's tuning knobs (the sweep that chose its defaults).
 """
 import torch
 
 from dsa.kernels import topk_indices, topk_indices_reference, topk_slots
+from dsa.kernels.topk import _topk_triton
 from dsa.testing import random_block_tables
 
 from .harness import result_row
@@ -14,6 +16,8 @@ from .harness import result_row
 K = 2048
 P = 64
 TARGET_US = {(64, 65536): 20.0, (64, 131072): 30.0, (1, 131072): 20.0}  # issue #16, graph replay
+VARIANTS = [dict(sample=1024, programs=132), dict(sample=1024, programs=132, block=2048), dict(sample=1024),
+            dict(programs=132), dict(block=2048)]  # each against the defaults of _topk_triton
 
 
 def _check(out, logits, lengths):
@@ -25,7 +29,7 @@ def _check(out, logits, lengths):
 
 def run(device, timer, ceilings, args) -> list:
     rows = []
-    shapes = [(64, 65536)] if args.quick else [(b, l) for b in (1, 64) for l in (16384, 65536, 131072)]
+    shapes = [(64, 65536)] if args.quick else [(b, l) for b in (1, 64) for l in (16384, 65536, 131072)] + [(1, 1 << 20)]
     for b, l in shapes:
         logits = torch.randn(b, l, device=device)
         lengths = torch.full((b,), l, dtype=torch.int32, device=device)
@@ -45,6 +49,11 @@ def run(device, timer, ceilings, args) -> list:
             op = lambda: topk_slots(logits, lengths, K, table, row_to_req, lengths, P, backend="triton")  # noqa: E731
             rows.append(result_row("topk_slots", "triton+graph", dict(shape, P=P), timer(op, graph=True), ceilings,
                                    bytes_moved=nbytes, target_us=target * 1.1))
+        for knobs in VARIANTS if getattr(args, "variants", False) else []:
+            op = lambda: _topk_triton(logits, lengths, K, None, **knobs)  # noqa: E731
+            _check(op(), logits, lengths)
+            rows.append(result_row("topk_indices", "triton+graph " + " ".join(f"{k}={v}" for k, v in knobs.items()),
+                                   shape, timer(op, graph=True), ceilings, bytes_moved=nbytes))
         if (b, l) == (64, 65536):
             t = timer(lambda: topk_indices_reference(logits, lengths, K), reps=10)
             rows.append(result_row("topk_indices", "torch-reference", shape, t, ceilings, bytes_moved=nbytes))
