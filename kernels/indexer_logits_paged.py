@@ -211,11 +211,14 @@ def _tma_ok(index_cache, block_size: int, di: int) -> bool:
 
 
 def _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens, block_size, max_seq_len, *,
-                                 tma=None, stages=None, max_tiles=32, waves=4):
+                                 tma=None, stages=None, max_tiles=16, waves=4):
     """The launch. Tuning knobs (private; ``dsa bench indexer --variants`` sweeps them): ``tma``
     (None: where ``_tma_ok``), ``stages`` (pipeline depth; None: 4 with TMA, else 3), ``max_tiles``
     (key tiles a program at most) and ``waves`` (programs per SM to aim for). None of them changes a
-    bit of the result: every kernel scores a position with the same dot layout and head-sum order."""
+    bit of the result: every kernel scores a position with the same dot layout and head-sum order.
+    The defaults won the H200 sweep (benchmarks/results/indexer-logits-sweep-h200-2026-12-01.json,
+    graph replay): 153 us at B=64, S=64K (the pointer kernel 194), 285 at 128K (369), 174 at N=2
+    (277), 13.3 at B=1, S=128K (15.0)."""
     b, n, hi, di = q8.shape
     width = _width(seq_lens, max_seq_len)  # None: a host sync
     logits = torch.empty((b * n, width), dtype=torch.float32, device=q8.device)
