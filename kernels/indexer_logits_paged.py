@@ -9,6 +9,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import check_block_size, check_int, check_same_device, check_tensor, compute_dtype, resolve_backend
 from .layouts import INDEXER_SCALE_BYTES, indexer_cache_views
@@ -60,6 +61,31 @@ def indexer_logits_paged_reference(q8, weights, index_cache, block_table, seq_le
 
 
 @triton.jit
+def _group_queries(q_ptr, w_ptr, b, g, N: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                   HI_PAD: tl.constexpr, D: tl.constexpr):
+    """``q_t [D, G_PAD * HI_PAD]`` e4m3 (K-contiguous) and ``w [G_PAD * HI_PAD]`` fp32 of query tokens
+    ``[g*G, g*G + G)`` of request b: row m = (token m // HI_PAD, head m % HI_PAD), zero past G and HI."""
+    m = tl.arange(0, G_PAD * HI_PAD)
+    jj, h = m // HI_PAD, m % HI_PAD
+    j = g * G + jj
+    q_ok = (jj < G) & (j < N) & (h < HI)
+    q_row = (b * N + j) * HI + h  # [M] int64
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + q_row[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0)  # [M, D] e4m3
+    w = tl.load(w_ptr + q_row, mask=q_ok, other=0.0)  # [M] fp32
+    return tl.trans(q), w
+
+
+@triton.jit
+def _tile_logits(k, k_scale, q_t, w, BLOCK_S: tl.constexpr, G_PAD: tl.constexpr, HI_PAD: tl.constexpr):
+    """``sum_h w[h] * relu(k . q[h]) * k_scale`` of a key tile ``k [BLOCK_S, D]``: ``[BLOCK_S, G_PAD]`` fp32
+    (one FP8 dot, the head sum in the dot layout's order; indexer_topk_paged scores the same way)."""
+    score = tl.dot(k, q_t)  # [BLOCK_S, G_PAD * HI_PAD] fp32
+    score = tl.maximum(score, 0.0) * w[None, :]
+    return tl.sum(tl.reshape(score, [BLOCK_S, G_PAD, HI_PAD]), axis=2) * k_scale[:, None]
+
+
+@triton.jit
 def _indexer_logits_paged_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr, stride_block,
                                  stride_table, num_table_blocks, num_blocks, width, tiles_per_prog,
                                  N: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
@@ -68,23 +94,14 @@ def _indexer_logits_paged_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, le
     # dot's N dim) against key tiles [split * tiles_per_prog, ...) of BLOCK_S positions (its M dim).
     # Each key record is read once per group (once per request when G == N). stride_block: bytes
     # per cache block (a multiple of 4); the fp32 view of the cache indexes it in words. A position whose
-    # block id is outside [0, num_blocks) reads nothing and is -inf.
+    # block id is outside [0, num_blocks) reads nothing and is -inf. Any P (a multiple of 16).
     GROUPS: tl.constexpr = (N + G - 1) // G
-    M: tl.constexpr = G_PAD * HI_PAD
     pid = tl.program_id(0)
     b = (pid // GROUPS).to(tl.int64)
     g = pid % GROUPS
     seq_len = tl.load(lens_ptr + b)
-    # queries: row m = (token jj, head h) of the group, zero-padded (weight 0) past G and HI
-    m = tl.arange(0, M)
-    jj, h = m // HI_PAD, m % HI_PAD
-    j = g * G + jj
-    q_ok = (jj < G) & (j < N) & (h < HI)
-    q_row = (b * N + j) * HI + h  # [M] int64
+    q_t, w = _group_queries(q_ptr, w_ptr, b, g, N, HI, G, G_PAD, HI_PAD, D)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + q_row[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0)  # [M, D] e4m3
-    w = tl.load(w_ptr + q_row, mask=q_ok, other=0.0)  # [M] fp32
-    q_t = tl.trans(q)  # [D, M], K-contiguous
     # outputs: token jg of the group sees positions [0, seq_len - N + g*G + jg]
     jg = tl.arange(0, G_PAD)
     row_ok = (jg < G) & (g * G + jg < N)
@@ -116,14 +133,55 @@ def _indexer_logits_paged_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, le
                                mask=(block_next >= 0) & (block_next < num_blocks), other=0.0)
         pos_next += BLOCK_S
         block_next = tl.load(table_row + pos_next // P, mask=pos_next < compute_end, other=-1).to(tl.int64)
-        score = tl.dot(k, q_t)  # [BLOCK_S, M] fp32
-        score = tl.maximum(score, 0.0) * w[None, :]
-        logit = tl.sum(tl.reshape(score, [BLOCK_S, G_PAD, HI_PAD]), axis=2) * k_scale[:, None]  # [BLOCK_S, G_PAD]
+        logit = _tile_logits(k, k_scale, q_t, w, BLOCK_S, G_PAD, HI_PAD)  # [BLOCK_S, G_PAD]
         logit = tl.where(key_ok[:, None] & (pos[:, None] <= last[None, :]), logit, float("-inf"))
         tl.store(out_ptr + out_row[None, :] + pos[:, None], logit, mask=row_ok[None, :] & (pos < s_end)[:, None])
     minus_inf = tl.full([BLOCK_S, G_PAD], float("-inf"), tl.float32)
     for tile in range(compute_tiles, tiles_per_prog):
         pos = s_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)
+        tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=row_ok[None, :] & (pos < s_end)[:, None])
+
+
+@triton.jit
+def _indexer_logits_paged_tma_kernel(q_ptr, w_ptr, val_desc, scale_desc, table_ptr, lens_ptr, out_ptr, stride_table,
+                                     num_table_blocks, num_blocks, width, tiles_per_prog,
+                                     N: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                                     HI_PAD: tl.constexpr, P: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr):
+    # _indexer_logits_paged_kernel with one cache block a tile (BLOCK_S = P), read by TMA from the
+    # views [NB, P, D] e4m3 (val_desc) and [NB, P] fp32 (scale_desc): a block id outside [0, NB)
+    # reads zeros (TMA's out-of-bounds fill) and its positions are -inf. The block id of the next
+    # tile is loaded one iteration ahead, so Triton's pipeliner keeps STAGES - 1 tiles in flight.
+    GROUPS: tl.constexpr = (N + G - 1) // G
+    pid = tl.program_id(0)
+    b = (pid // GROUPS).to(tl.int64)
+    g = pid % GROUPS
+    seq_len = tl.load(lens_ptr + b)
+    q_t, w = _group_queries(q_ptr, w_ptr, b, g, N, HI, G, G_PAD, HI_PAD, D)
+    jg = tl.arange(0, G_PAD)
+    row_ok = (jg < G) & (g * G + jg < N)
+    last = seq_len - N + g * G + jg  # [G_PAD]
+    out_row = (b * N + g * G + jg) * width  # [G_PAD] int64
+    group_end = tl.minimum(seq_len - N + tl.minimum(g * G + G, N), num_table_blocks * P)  # past it: -inf
+    page0 = tl.program_id(1) * tiles_per_prog
+    s_begin = page0 * P
+    s_end = tl.minimum(s_begin + tiles_per_prog * P, width)
+    compute_end = tl.maximum(tl.minimum(group_end, s_end), s_begin)
+    compute_tiles = tl.cdiv(compute_end - s_begin, P)
+    table_row = table_ptr + b * stride_table
+    block_next = tl.load(table_row + page0, mask=s_begin < compute_end, other=-1)
+    for tile in tl.range(0, compute_tiles, num_stages=STAGES):
+        block = block_next
+        block_next = tl.load(table_row + page0 + tile + 1, mask=s_begin + (tile + 1) * P < compute_end, other=-1)
+        pos = s_begin + tile * P + tl.arange(0, P)  # [P]
+        k = tl.reshape(val_desc.load([block, 0, 0]), [P, D])  # [P, D] e4m3, zeros outside [0, NB)
+        k_scale = tl.reshape(scale_desc.load([block, 0]), [P])  # [P] fp32
+        logit = _tile_logits(k, k_scale, q_t, w, P, G_PAD, HI_PAD)  # [P, G_PAD]
+        key_ok = (block >= 0) & (block < num_blocks) & (pos < compute_end)
+        logit = tl.where(key_ok[:, None] & (pos[:, None] <= last[None, :]), logit, float("-inf"))
+        tl.store(out_ptr + out_row[None, :] + pos[:, None], logit, mask=row_ok[None, :] & (pos < s_end)[:, None])
+    minus_inf = tl.full([P, G_PAD], float("-inf"), tl.float32)
+    for tile in range(compute_tiles, tiles_per_prog):
+        pos = s_begin + tile * P + tl.arange(0, P)
         tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=row_ok[None, :] & (pos < s_end)[:, None])
 
 
@@ -145,7 +203,22 @@ def _paged_config(n: int, hi: int) -> tuple[int, int, int, int, int]:
     return g, g_pad, hi_pad, block_s, 4 if block_s * m <= 8192 else 8
 
 
-def _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens, block_size, max_seq_len):
+def _tma_ok(index_cache, block_size: int, di: int) -> bool:
+    """Whether the TMA kernel reads this cache: P = 64 (a block is a tile whose dot has the warp layout
+    of the pointer kernel's and indexer_topk_paged's tiles, so the same head-sum order), DI in 64, 128
+    (one swizzled row), a 16-byte aligned cache with at least one block."""
+    return block_size == 64 and di in (64, 128) and index_cache.shape[0] > 0 and index_cache.data_ptr() % 16 == 0
+
+
+def _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens, block_size, max_seq_len, *,
+                                 tma=None, stages=None, max_tiles=16, waves=4):
+    """The launch. Tuning knobs (private; ``dsa bench indexer --variants`` sweeps them): ``tma``
+    (None: where ``_tma_ok``), ``stages`` (pipeline depth; None: 4 with TMA, else 3), ``max_tiles``
+    (key tiles a program at most) and ``waves`` (programs per SM to aim for). None of them changes a
+    bit of the result: every kernel scores a position with the same dot layout and head-sum order.
+    The defaults won the H200 sweep (benchmarks/results/indexer-logits-sweep-h200-2026-12-01.json,
+    graph replay): 153 us at B=64, S=64K (the pointer kernel 194), 285 at 128K (369), 174 at N=2
+    (277), 13.3 at B=1, S=128K (15.0)."""
     b, n, hi, di = q8.shape
     width = _width(seq_lens, max_seq_len)  # None: a host sync
     logits = torch.empty((b * n, width), dtype=torch.float32, device=q8.device)
@@ -154,17 +227,27 @@ def _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens
     q8, weights = q8.contiguous(), weights.contiguous()
     block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
     g, g_pad, hi_pad, block_s, num_warps = _paged_config(n, hi)
+    tma = _tma_ok(index_cache, block_size, di) if tma is None else tma
+    block_s = block_size if tma else block_s
     programs = b * triton.cdiv(n, g)
     tiles = triton.cdiv(width, block_s)
-    # enough programs to fill the GPU a few times over, at most 16 tiles each (fixed by shapes)
-    tiles_per_prog = max(1, min(16, tiles * programs // (4 * _num_sms(q8.device))))
+    # enough programs to fill the GPU `waves` times over, at most `max_tiles` tiles each (fixed by shapes)
+    tiles_per_prog = max(1, min(max_tiles, tiles * programs // (waves * _num_sms(q8.device))))
     grid = (programs, triton.cdiv(tiles, tiles_per_prog))
+    shape = dict(N=n, HI=hi, G=g, G_PAD=g_pad, HI_PAD=hi_pad, P=block_size, D=di)
+    if tma:
+        nb, p = index_cache.shape[0], block_size
+        val = TensorDescriptor(index_cache.view(torch.float8_e4m3fn), [nb, p, di], [p * (di + 4), di, 1], [1, p, di])
+        scale = index_cache.view(torch.float32)[:, p * di // 4:]
+        scale = TensorDescriptor(scale, [nb, p], [p * (di + 4) // 4, 1], [1, p])
+        _indexer_logits_paged_tma_kernel[grid](
+            q8, weights, val, scale, block_table, seq_lens, logits, block_table.stride(0), block_table.shape[1], nb,
+            width, tiles_per_prog, **shape, STAGES=stages or 4, num_warps=num_warps)
+        return logits
     _indexer_logits_paged_kernel[grid](
         q8, weights, index_cache.view(torch.float8_e4m3fn), index_cache.view(torch.float32), block_table, seq_lens,
         logits, index_cache.stride(0), block_table.stride(0), block_table.shape[1], index_cache.shape[0], width,
-        tiles_per_prog,
-        N=n, HI=hi, G=g, G_PAD=g_pad, HI_PAD=hi_pad, P=block_size, D=di, BLOCK_S=block_s,
-        num_warps=num_warps, num_stages=3)
+        tiles_per_prog, **shape, BLOCK_S=block_s, num_warps=num_warps, num_stages=stages or 3)
     return logits
 
 
@@ -193,8 +276,9 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
 
     The Triton kernel (CUDA, FP8 cache; ``1 <= HI <= 128``, ``DI`` in 32..256, ``P`` a multiple
     of 16, a contiguous cache) reads each key record once per request and scores it against all
-    ``N * HI`` query rows with one FP8 ``tl.dot``; with ``max_seq_len`` given it never syncs the
-    host (CUDA graphs). Logits match the reference to fp32 summation order.
+    ``N * HI`` query rows with one FP8 ``tl.dot``; with ``P = 64`` (``DI`` 64 or 128) it reads a
+    cache block a tile by TMA, ids outside ``[0, NB)`` as TMA's zero fill. With ``max_seq_len``
+    given it never syncs the host (CUDA graphs). Logits match the reference to fp32 summation order.
     """
     check_tensor("q8", q8, shape=4)
     b, n, hi, di = q8.shape

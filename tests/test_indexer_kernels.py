@@ -4,6 +4,8 @@ Key write and query prep: written bytes equal the reference exactly. Paged and r
 ``calc_diff < 1e-6`` over finite entries and identical ``-inf`` masks; outputs are NaN-poisoned
 before the kernels write them. The GPU twin of this file is ``test_indexer_kernels_gpu.py``.
 """
+import importlib
+
 import pytest
 import torch
 
@@ -138,6 +140,58 @@ def test_ragged_logits_match_reference(t, hi, s, ranges, nan_outputs):
             ends[::2] = starts[::2]
     args = [x.to(DEVICE) for x in (q8, w, k8, k_scale, starts, ends)]
     assert_logits_match(K.indexer_logits_ragged(*args, backend="triton"), K.indexer_logits_ragged(*args, backend="torch"))
+
+
+TMA_PAGED = [  # (seq_lens, N, HI, block table width or None, max_seq_len) with P = 64: the TMA kernel
+    ([200, 64, 1], 1, 5, None, None),
+    ([300, 77], 3, 3, 3, 330),  # positions past the block table, width past every row
+]
+
+
+@pytest.mark.parametrize("lens,n,hi,table_width,max_seq_len", TMA_PAGED,
+                         ids=[f"S{'-'.join(map(str, c[0]))}-N{c[1]}-HI{c[2]}-MB{c[3]}-W{c[4]}" for c in TMA_PAGED])
+def test_paged_logits_tma_kernel_equals_the_pointer_kernel(lens, n, hi, table_width, max_seq_len, nan_outputs):
+    """P = 64 takes the TMA kernel (a block a tile; ids outside [0, NB) read TMA's zero fill): its
+    logits equal the pointer kernel's bit for bit at any pipeline depth and split, block ids -1,
+    -2^31, NB and 2^31 - 1 included, with the cache inside NaN guard bytes."""
+    paged = importlib.import_module("dsa.kernels.indexer_logits_paged")
+    gen = torch.Generator().manual_seed(17)
+    p = 64
+    table, nb = random_block_tables(lens, p, generator=gen, extra_blocks=2)
+    table[0, 1], table[0, 2], table[-1, 0] = -1, 2 ** 31 - 1, -(2 ** 31)
+    table[1, 1] = nb
+    if table_width is not None:
+        table = table[:, :table_width].contiguous()
+    guard = p * 132
+    buf = torch.full((guard + nb * p * 132 + guard,), 0xFF, dtype=torch.uint8)
+    buf[guard:guard + nb * p * 132] = _random_cache(nb, p, gen).view(-1)
+    buf = buf.to(DEVICE)
+    cache = buf[guard:guard + nb * p * 132].view(nb, p * 132)
+    q8 = torch.randn(len(lens), n, hi, 128, generator=gen).to(torch.float8_e4m3fn).to(DEVICE)
+    w = torch.randn(len(lens), n, hi, generator=gen).to(DEVICE)
+    args = (q8, w, cache, table.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE), p, max_seq_len)
+    pointer = paged._indexer_logits_paged_triton(*args, tma=False)
+    assert_logits_match(pointer, K.indexer_logits_paged(*args, backend="torch"))
+    assert torch.equal(K.indexer_logits_paged(*args, backend="triton"), pointer)  # the TMA kernel by default
+    assert torch.equal(paged._indexer_logits_paged_triton(*args, tma=True, stages=2, max_tiles=1, waves=1), pointer)
+
+
+def test_ragged_logits_tile_and_tma_variants_equal_the_default(nan_outputs):
+    """The ragged launcher's knobs (TMA loads, tile sizes, warps) change no logit; S past the last
+    full tile reads TMA's zero fill."""
+    ragged = importlib.import_module("dsa.kernels.indexer_logits_ragged")
+    gen = torch.Generator().manual_seed(19)
+    t, hi, s = 11, 7, 301
+    ends = torch.arange(s - t + 1, s + 1, dtype=torch.int32)
+    starts = torch.randint(0, 100, (t,), generator=gen, dtype=torch.int32)
+    args = [x.to(DEVICE) for x in (torch.randn(t, hi, 128, generator=gen).to(torch.float8_e4m3fn),
+                                   torch.randn(t, hi, generator=gen),
+                                   torch.randn(s, 128, generator=gen).to(torch.float8_e4m3fn),
+                                   torch.rand(s, generator=gen) + 0.5, starts, ends)]
+    default = ragged._indexer_logits_ragged_triton(*args)
+    assert_logits_match(default, K.indexer_logits_ragged(*args, backend="torch"))
+    for kw in (dict(tma=True, stages=4, block_t=2), dict(block_s=128, num_warps=8, waves=4)):
+        assert torch.equal(ragged._indexer_logits_ragged_triton(*args, **kw), default), kw
 
 
 def test_logits_kernels_refuse_more_than_128_heads():

@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="benchmarks/results", help="folder for the result JSON (default: %(default)s)")
     p.add_argument("--reps", type=int, default=30, help="timed calls per row (median reported)")
     p.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
-    p.add_argument("--variants", action="store_true", help="mla, topk: also time tile, split and sample variants of the kernels")
+    p.add_argument("--variants", action="store_true",
+                   help="mla, indexer, topk: also time tile, split, pipeline and sample variants of the kernels")
     p.add_argument("--results", default="benchmarks/results", help="render, plot: folder of result JSON")
     p.add_argument("--figures", default="benchmarks/figures", help="plot: folder for the PNGs")
     p.add_argument("--readme", default=None, help="render: README to update between the perf markers")

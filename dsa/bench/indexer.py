@@ -5,7 +5,11 @@ Each Triton row is checked against the torch reference on the same inputs before
 (logits: ``calc_diff < 1e-6`` over finite entries and identical ``-inf`` masks; key write and
 query prep: equal bytes; the fused step: the pair's slot sets). Decode rows are timed eagerly and
 replayed from a CUDA graph (``+graph``). Targets (issue #16, H200) are recorded as ``target_us``.
+``--variants`` adds the Triton launchers' tuning knobs, each row checked bit for bit against the
+default launch (and the paged ones against the fused op's logits).
 """
+import json
+
 import torch
 
 from dsa.kernels import (indexer_key_write, indexer_key_write_reference, indexer_logits_paged,
@@ -156,4 +160,83 @@ def run(device, timer, ceilings, args) -> list:
     for b, n, s in shapes:
         rows += bench_paged(device, timer, ceilings, b, n, s)
     rows.append(bench_ragged(device, timer, ceilings, 4096, 65536))
+    if getattr(args, "variants", False):
+        rows += bench_variants(device, timer, ceilings)
+    return rows
+
+
+# --variants: launcher knobs of the Triton kernels (none changes a bit of the result; each row says
+# whether it matched the default's logits, and the fused op's for the paged ones, bit for bit)
+PAGED_VARIANTS = [
+    dict(tma=False, max_tiles=16), dict(tma=False, max_tiles=16, stages=5),
+    dict(tma=True, stages=3), dict(tma=True, stages=4), dict(tma=True, stages=5), dict(tma=True, stages=6),
+    dict(tma=True, max_tiles=16), dict(tma=True, max_tiles=64), dict(tma=True, max_tiles=128),
+    dict(tma=True, waves=2), dict(tma=True, max_tiles=256, waves=1),
+]
+RAGGED_VARIANTS = [
+    dict(), dict(tma=True), dict(tma=True, stages=4), dict(stages=4), dict(num_warps=8), dict(block_t=2),
+    dict(block_t=2, tma=True, stages=4), dict(block_s=128, block_t=2, num_warps=8, tma=True),
+]
+
+
+def _knobs(kw: dict) -> str:
+    return "triton " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "default")
+
+
+def _variant_row(rows, timer, ceilings, name, kw, fn, shape, cost, equal, reps=None, emit=print):
+    try:
+        out = fn()
+    except Exception as exc:  # a config that does not compile or fit
+        emit(f"{name} {_knobs(kw)} {shape}: {type(exc).__name__} {exc}"[:400])
+        return
+    bits = {key: bool(torch.equal(out, ref)) for key, ref in equal.items()}
+    del out
+    graph = timer(fn, reps, graph=True)
+    row = result_row(name, _knobs(kw), shape, timer(fn, reps), ceilings, **cost, graph_us=graph["median_us"],
+                     graph_p10_us=graph["p10_us"], graph_p90_us=graph["p90_us"], knobs=kw, **bits)
+    rows.append(row)
+    emit(json.dumps(row))
+
+
+def bench_variants(device, timer, ceilings, shapes=((64, 1, 65536), (64, 1, 131072), (64, 2, 65536), (1, 1, 131072)),
+                   ragged=(4096, 65536), emit=print) -> list:
+    """Every variant of PAGED_VARIANTS at ``shapes`` and of RAGGED_VARIANTS at ``ragged``, eager and
+    graph-replayed, each compared bit for bit with the default launch (whose logits are checked
+    against the reference) and, paged, with the logits the fused op scores."""
+    from dsa.kernels.indexer_logits_paged import _indexer_logits_paged_triton
+    from dsa.kernels.indexer_logits_ragged import _indexer_logits_ragged_triton
+    from dsa.kernels.indexer_topk_paged import _indexer_topk_paged_triton
+    rows = []
+    for b, n, s in shapes:
+        q8, w, cache, table, lens = paged_inputs(b, n, s, device)
+        default = _indexer_logits_paged_triton(q8, w, cache, table, lens, P, s)
+        check_logits("indexer_logits_paged", default, indexer_logits_paged_reference(q8, w, cache, table, lens, P, s))
+        fused = torch.full_like(default, float("-inf"))
+        _indexer_topk_paged_triton(q8, w, cache, table, lens, P, K, s, logits=fused)
+        nbytes, flops = paged_cost(b, n, s)
+        for kw in PAGED_VARIANTS:
+            fn = lambda: _indexer_logits_paged_triton(q8, w, cache, table, lens, P, s, **kw)  # noqa: E731
+            _variant_row(rows, timer, ceilings, "indexer_logits_paged", kw, fn, dict(B=b, N=n, S=s, HI=HI),
+                         dict(bytes_moved=nbytes, flops=flops, bound="copy"),
+                         dict(bitwise_default=default, bitwise_fused=fused), emit=emit)
+        del q8, w, cache, table, lens, default, fused
+    t, s = ragged
+    g = torch.Generator(device=device).manual_seed(1)
+    q8 = torch.randn(t, HI, DI, generator=g, device=device).to(torch.float8_e4m3fn)
+    w = torch.randn(t, HI, generator=g, device=device)
+    k8 = torch.randn(s, DI, generator=g, device=device).to(torch.float8_e4m3fn)
+    k_scale = torch.rand(s, generator=g, device=device) + 0.5
+    starts = torch.zeros(t, dtype=torch.int32, device=device)
+    ends = torch.arange(s - t + 1, s + 1, dtype=torch.int32, device=device)
+    default = _indexer_logits_ragged_triton(q8, w, k8, k_scale, starts, ends)
+    sub = torch.arange(0, t, max(1, t // 64), device=device)
+    check_logits("indexer_logits_ragged", default[sub],
+                 indexer_logits_ragged_reference(q8[sub], w[sub], k8, k_scale, starts[sub], ends[sub]))
+    flops = 2 * HI * DI * int((ends - starts).sum())
+    for kw in RAGGED_VARIANTS:
+        fn = lambda: _indexer_logits_ragged_triton(q8, w, k8, k_scale, starts, ends, **kw)  # noqa: E731
+        shape = dict(T=t, S=s, HI=HI, ranges="causal tail")
+        _variant_row(rows, timer, ceilings, "indexer_logits_ragged", kw, fn, shape,
+                     dict(bytes_moved=t * s * 4 + s * (DI + 4) + t * HI * (DI + 4), flops=flops, bound="fp8"),
+                     dict(bitwise_default=default), reps=10, emit=emit)
     return rows

@@ -47,7 +47,7 @@ def plot_results(results: str, out_dir: str) -> list:
     paths = []
     panels = defaultdict(lambda: defaultdict(list))  # op -> (name, impl, N) -> [(S, us, floor us)]
     for op, d in newest.items():
-        if op in ("crossover", "layer"):
+        if op in ("crossover", "layer") or op.endswith("-sweep"):  # tuning sweeps: variants, not context curves
             continue
         for r in d["rows"]:
             shape = r.get("shape", {})
