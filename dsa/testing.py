@@ -2,6 +2,7 @@
 import torch
 
 from dsa.kernels.slots import positions_to_slots_reference
+from dsa.kernels.topk import topk_indices
 
 GUARD_BYTE = 0xFF  # NaN in e4m3, bf16 and fp32: a read of a guard region poisons the result
 
@@ -11,6 +12,37 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double(), y.double()
     denom = (x * x + y * y).sum()
     return 0.0 if denom == 0 else float(1 - 2 * (x * y).sum() / denom)
+
+
+def topk_agreement(ours: torch.Tensor, theirs: torch.Tensor, lengths: torch.Tensor, k: int,
+                   starts: torch.Tensor | None = None) -> dict:
+    """How two logits of the same rows (with the same ``-inf`` masks) agree, for a report.
+
+    ``max_abs_diff`` and ``calc_diff`` over the finite entries; the top-k of each row's window
+    ``[start, start + length)`` by ``topk_indices``: ``rows_same_topk`` of ``rows`` select the same
+    set, ``positions_differing`` in all. A position selected by one and not the other lies within
+    ``2 d`` of ``ours``' k-th value, ``d`` the row's largest ``|ours - theirs|`` (the two k-th values
+    differ by at most ``d``): ``max_tie_gap`` is the largest such distance over ``d``, so at most 2
+    when every difference is a near-tie (0 when no set differs).
+    """
+    finite = torch.isfinite(ours)
+    diff = (ours - theirs)[finite].abs()
+    sel_a, sel_b = topk_indices(ours, lengths, k, starts), topk_indices(theirs, lengths, k, starts)
+    same = (sel_a.sort(dim=1).values == sel_b.sort(dim=1).values).all(dim=1)
+    report = {"max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+              "calc_diff": calc_diff(ours[finite], theirs[finite]), "rows": ours.shape[0],
+              "rows_same_topk": int(same.sum()), "positions_differing": 0, "max_tie_gap": 0.0}
+    for r in (~same).nonzero().flatten().tolist():
+        start = 0 if starts is None else max(0, int(starts[r]))
+        row_a, row_b = ours[r, start:start + int(lengths[r])], theirs[r, start:start + int(lengths[r])]
+        a, b = set(sel_a[r].tolist()) - {-1}, set(sel_b[r].tolist()) - {-1}
+        odd = torch.tensor(sorted(a ^ b), device=ours.device)
+        d = float((row_a - row_b)[torch.isfinite(row_a)].abs().max())
+        kth = float(row_a[sel_a[r][sel_a[r] >= 0].long()].min())
+        gap = float((row_a[odd] - kth).abs().max())
+        report["positions_differing"] += len(odd)
+        report["max_tie_gap"] = max(report["max_tie_gap"], gap / d if d > 0 else float("inf"))
+    return report
 
 
 def random_block_tables(seq_lens: list[int], block_size: int, *, extra_blocks: int = 0, generator=None,

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import deepgemm
 from .common import check_block_size, check_int, check_same_device, check_tensor, compute_dtype, resolve_backend
 from .layouts import INDEXER_SCALE_BYTES, indexer_cache_views
 
@@ -279,6 +280,10 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
     ``N * HI`` query rows with one FP8 ``tl.dot``; with ``P = 64`` (``DI`` 64 or 128) it reads a
     cache block a tile by TMA, ids outside ``[0, NB)`` as TMA's zero fill. With ``max_seq_len``
     given it never syncs the host (CUDA graphs). Logits match the reference to fp32 summation order.
+
+    ``backend="deepgemm"`` (only when asked, never by ``"auto"``; ``kernels/deepgemm.py`` gives its
+    Hopper limits) runs DeepGEMM's ``fp8_paged_mqa_logits`` with the same contract and another
+    summation order, without a host sync.
     """
     check_tensor("q8", q8, shape=4)
     b, n, hi, di = q8.shape
@@ -299,6 +304,11 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
         max_seq_len = check_int("max_seq_len", max_seq_len, minimum=0)
     device = check_same_device(q8=q8, weights=weights, index_cache=index_cache, block_table=block_table,
                                seq_lens=seq_lens)
+    if backend == "deepgemm":
+        if exact:
+            raise TypeError("indexer_logits_paged: backend='deepgemm' takes an FP8 cache and FP8 queries")
+        return deepgemm.logits_paged(q8, weights, index_cache, block_table, seq_lens, block_size,
+                                     _width(seq_lens, max_seq_len))
     impl = resolve_backend(backend, device, "indexer_logits_paged", triton_dtypes_ok=not exact, block_size=block_size)
     if impl == "torch":
         return indexer_logits_paged_reference(q8, weights, index_cache, block_table, seq_lens, block_size,

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import deepgemm
 from .common import check_same_device, check_tensor, compute_dtype, resolve_backend
 
 
@@ -142,6 +143,10 @@ def indexer_logits_ragged(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Ten
     The Triton kernel (CUDA, FP8 keys; ``1 <= HI <= 128``, ``DI`` in 32..256) tiles ``T`` by
     ``256 / HI`` tokens and ``S`` by 64 keys, scores each tile with one FP8 ``tl.dot`` and skips
     tiles outside every row's range. Logits match the reference to fp32 summation order.
+
+    ``backend="deepgemm"`` (only when asked, never by ``"auto"``; ``kernels/deepgemm.py`` gives its
+    Hopper limits) runs DeepGEMM's ``fp8_mqa_logits`` with the same contract and another summation
+    order.
     """
     check_tensor("q8", q8, shape=3)
     t, hi, di = q8.shape
@@ -160,6 +165,10 @@ def indexer_logits_ragged(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Ten
     check_tensor("starts", starts, dtype=torch.int32, shape=(t,))
     check_tensor("ends", ends, dtype=torch.int32, shape=(t,))
     device = check_same_device(q8=q8, weights=weights, k8=k8, k_scale=k_scale, starts=starts, ends=ends)
+    if backend == "deepgemm":
+        if exact:
+            raise TypeError("indexer_logits_ragged: backend='deepgemm' takes FP8 queries and keys")
+        return deepgemm.logits_ragged(q8, weights, k8, k_scale, starts, ends)
     impl = resolve_backend(backend, device, "indexer_logits_ragged", triton_dtypes_ok=not exact)
     if impl == "torch":
         return indexer_logits_ragged_reference(q8, weights, k8, k_scale, starts, ends)

@@ -5,6 +5,7 @@ from .harness import Timer, env_info, measure_ceilings, require_cuda, write_resu
 
 TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> rows
     "indexer": "dsa.bench.indexer",
+    "deepgemm": "dsa.bench.deepgemm",
     "topk": "dsa.bench.topk",
     "mla": "dsa.bench.mla",
     "layer": "dsa.bench.layer",
