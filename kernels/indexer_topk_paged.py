@@ -25,9 +25,9 @@ import triton.language as tl
 from .common import TRITON_INTERPRET, check_block_size, check_same_device, check_tensor, resolve_backend
 from .indexer_logits_paged import _num_sms, _paged_config, indexer_logits_paged_reference
 from .layouts import INDEXER_SCALE_BYTES
-from .topk import (_INT_MIN, _MAX_FAST_REGIONS, _SEG, _Z, _finish_fast, _finish_tiles, _gather_fronts,
-                   _guess_from_sample, _key, _place_kernel, _refine, _region_hist, _store_positions,
-                   topk_slots_reference)
+from .topk import topk_slots_reference
+from .topk_select import (_INT_MIN, _MAX_FAST_REGIONS, _SEG, _Z, _finish_fast, _finish_tiles, _gather_fronts,
+                          _guess_from_sample, _key, _place_kernel, _refine, _region_hist, _store_positions)
 
 _SAMPLE = 1024  # sample positions per row (the guess's)
 _SAMPLE_TILE = 128  # sample positions per program
