@@ -78,7 +78,8 @@ def topk_indices_reference(logits, lengths, k, starts=None):
 #           the k-th value lies in the bin b found from the top. The program writes its region's
 #           candidates above b to the output (at the count of those in the regions before it) and
 #           moves those in b to the front of its region, in column order;
-#   finish  (program per row) gathers the regions' b entries into one list (in column order) and
+#   finish  (program per row) takes the regions' b entries as one list (in column order; usually
+#           a [regions, W] tile of their fronts, read in one round trip and kept in registers) and
 #           finds their k-th value digit by digit on the bits below the bin; then writes those above
 #           it and the first ones equal to it. If fewer than k columns reached ``lo`` (a wrong
 #           guess: data built against the sample), it lists the whole row and selects from it the
@@ -175,7 +176,8 @@ def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, progra
     """Three launches. ``slots``: ``(block_table, row_to_req, seq_lens, block_size)`` to write
     slots; ``block``/``programs``/``min_chunk``/``sample``/``num_warps``/``out`` for tests and
     tuning; ``scratch``: a dict that receives the region histograms ``[R, C, 256]``, the region
-    counts ``[R, C]`` and the finish tile's ``(CB, W)`` (tests)."""
+    counts ``[R, C]`` (after the place kernel: the counts of their bin-b fronts) and the finish
+    tile's ``(CB, W)`` (tests)."""
     r, width = logits.shape
     if out is None:
         out = torch.empty((r, k), dtype=torch.int32, device=logits.device)

@@ -52,8 +52,8 @@ def plot_results(results: str, out_dir: str) -> list:
         for r in d["rows"]:
             shape = r.get("shape", {})
             s = _context(shape)
-            if s is None or r.get("median_us") is None or shape.get("B") != 64:
-                continue
+            if s is None or r.get("median_us") is None or shape.get("B") != 64 or "=" in r["impl"]:
+                continue  # (an impl with "=" is a knob variant of --variants)
             panels[op][(r["name"], r["impl"], shape.get("N", 1), shape.get("cache", ""))].append(
                 (s, r["median_us"], _floor_us(r, d["ceilings"])))
     panels = {op: {k: v for k, v in series.items() if len(v) > 1} for op, series in panels.items()}
