@@ -4,7 +4,7 @@ B = 64 requests of up to 128K positions over random non-contiguous blocks (the N
 of ``test_indexer_kernels_gpu``), N in {1, 2}, HI = 64, k in {1, 64, 2048, 4096}: the same slot
 sets as the Triton pair ``topk_slots(indexer_logits_paged(...))``; the logits it scores equal
 ``indexer_logits_paged``'s bit for bit; a window built against the sample (the whole-row path);
-20 runs bitwise equal; CUDA-graph capture and replay; two Triton launches and a memset.
+20 runs bitwise equal; CUDA-graph capture and replay; four Triton launches and a memset.
 """
 import pytest
 import torch
