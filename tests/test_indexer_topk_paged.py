@@ -115,7 +115,7 @@ def test_nan_and_inf_logits_select_as_the_triton_pair(poisoned_empty):
 
 def test_a_window_built_against_the_sample_is_scored_again():
     """Keys at the sampled positions score far above the rest, so fewer than k positions reach the
-    guess: the last program scores the whole window again; the set is still the unfused pair's."""
+    guess: the finish kernel scores the whole window again; the set is still the unfused pair's."""
     gen = torch.Generator().manual_seed(9)
     s, k, sample = 640, 48, 32
     q8, w, cache, table, seq_lens = _inputs([s], 1, 4, gen)

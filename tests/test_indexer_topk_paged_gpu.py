@@ -60,7 +60,7 @@ def test_scored_logits_are_the_paged_logits(paged, n):
 
 def test_a_window_built_against_the_sample(paged):
     """Request 0's sampled positions hold keys aligned with its query: fewer than k positions reach
-    the guess and the last program scores the window again; the set is still the pair's."""
+    the guess and the finish kernel scores the window again; the set is still the pair's."""
     cache, _, table, lens = paged
     cache = cache.clone()
     q8, w = _queries(64, 1, seed=3)
