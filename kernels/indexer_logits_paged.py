@@ -252,6 +252,41 @@ def _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens
     return logits
 
 
+def _check_paged_args(q8, weights, index_cache, block_table, seq_lens, block_size, max_seq_len):
+    """The argument checks of the paged indexer ops (``indexer_logits_paged``, ``indexer_topk_paged``):
+    ``(block_size, max_seq_len, exact, device)``, ``exact`` for a floating-point (exact) cache."""
+    check_tensor("q8", q8, shape=4)
+    b, n, hi, di = q8.shape
+    block_size = check_block_size(block_size)
+    check_tensor("weights", weights, dtype=torch.float32, shape=(b, n, hi))
+    check_tensor("index_cache", index_cache)
+    exact = index_cache.is_floating_point()
+    if exact:
+        check_tensor("index_cache", index_cache, shape=(None, block_size, di))
+        check_tensor("q8", q8, dtype=(torch.bfloat16, torch.float32, torch.float64))
+    else:
+        check_tensor("index_cache", index_cache, dtype=torch.uint8,
+                     shape=(None, block_size * (di + INDEXER_SCALE_BYTES)))
+        check_tensor("q8", q8, dtype=torch.float8_e4m3fn)
+    check_tensor("block_table", block_table, dtype=torch.int32, shape=(b, None))
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(b,))
+    if max_seq_len is not None:
+        max_seq_len = check_int("max_seq_len", max_seq_len, minimum=0)
+    device = check_same_device(q8=q8, weights=weights, index_cache=index_cache, block_table=block_table,
+                               seq_lens=seq_lens)
+    return block_size, max_seq_len, exact, device
+
+
+def _check_triton_limits(q8, index_cache) -> None:
+    """What the paged Triton kernels take: ``1 <= HI <= 128``, ``DI`` in 32..256, a contiguous cache."""
+    hi, di = q8.shape[2:]
+    if not 1 <= hi <= 128 or di not in (32, 64, 128, 256):
+        raise ValueError(f"q8: the Triton kernel takes 1 <= HI <= 128 and DI in 32, 64, 128, 256; got shape "
+                         f"{list(q8.shape)}")
+    if not index_cache.is_contiguous():
+        raise ValueError(f"index_cache: the Triton kernel reads a contiguous cache; got strides {index_cache.stride()}")
+
+
 def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                          block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                          max_seq_len: int | None = None, *, backend: str = "auto") -> torch.Tensor:
@@ -285,25 +320,8 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
     Hopper limits) runs DeepGEMM's ``fp8_paged_mqa_logits`` with the same contract and another
     summation order, without a host sync.
     """
-    check_tensor("q8", q8, shape=4)
-    b, n, hi, di = q8.shape
-    block_size = check_block_size(block_size)
-    check_tensor("weights", weights, dtype=torch.float32, shape=(b, n, hi))
-    check_tensor("index_cache", index_cache)
-    exact = index_cache.is_floating_point()
-    if exact:
-        check_tensor("index_cache", index_cache, shape=(None, block_size, di))
-        check_tensor("q8", q8, dtype=(torch.bfloat16, torch.float32, torch.float64))
-    else:
-        check_tensor("index_cache", index_cache, dtype=torch.uint8,
-                     shape=(None, block_size * (di + INDEXER_SCALE_BYTES)))
-        check_tensor("q8", q8, dtype=torch.float8_e4m3fn)
-    check_tensor("block_table", block_table, dtype=torch.int32, shape=(b, None))
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(b,))
-    if max_seq_len is not None:
-        max_seq_len = check_int("max_seq_len", max_seq_len, minimum=0)
-    device = check_same_device(q8=q8, weights=weights, index_cache=index_cache, block_table=block_table,
-                               seq_lens=seq_lens)
+    block_size, max_seq_len, exact, device = _check_paged_args(q8, weights, index_cache, block_table, seq_lens,
+                                                               block_size, max_seq_len)
     if backend == "deepgemm":
         if exact:
             raise TypeError("indexer_logits_paged: backend='deepgemm' takes an FP8 cache and FP8 queries")
@@ -313,9 +331,5 @@ def indexer_logits_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: t
     if impl == "torch":
         return indexer_logits_paged_reference(q8, weights, index_cache, block_table, seq_lens, block_size,
                                               max_seq_len)
-    if not 1 <= hi <= 128 or di not in (32, 64, 128, 256):
-        raise ValueError(f"q8: the Triton kernel takes 1 <= HI <= 128 and DI in 32, 64, 128, 256; got shape "
-                         f"{list(q8.shape)}")
-    if not index_cache.is_contiguous():
-        raise ValueError(f"index_cache: the Triton kernel reads a contiguous cache; got strides {index_cache.stride()}")
+    _check_triton_limits(q8, index_cache)
     return _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens, block_size, max_seq_len)

@@ -22,12 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TRITON_INTERPRET, check_block_size, check_same_device, check_tensor, resolve_backend
-from .indexer_logits_paged import _num_sms, _paged_config, indexer_logits_paged_reference
-from .layouts import INDEXER_SCALE_BYTES
+from .common import TRITON_INTERPRET, check_int, resolve_backend
+from .indexer_logits_paged import (_check_paged_args, _check_triton_limits, _group_queries, _num_sms, _paged_config,
+                                   _tile_logits, indexer_logits_paged_reference)
 from .topk import topk_slots_reference
 from .topk_select import (_INT_MIN, _MAX_FAST_REGIONS, _SEG, _Z, _finish_fast, _finish_tiles, _gather_fronts,
-                          _guess_from_sample, _key, _place_kernel, _refine, _region_hist, _store_positions)
+                          _guess_from_sample, _key, _place_kernel, _refine, _region_hist, _row_selection,
+                          _store_positions)
 
 _SAMPLE = 1024  # sample positions per row (the guess's)
 _SAMPLE_TILE = 128  # sample positions per program
@@ -103,9 +104,7 @@ def _score_tile(val_ptr, scale_base, table_row, pos, inside, q_t, w, stride_bloc
     ok = inside & (block >= 0) & (block < num_blocks)
     k = tl.load(val_ptr + (block * stride_block + (pos % P) * D)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     k_scale = tl.load(scale_base + block * (stride_block // 4) + pos % P, mask=ok, other=0.0)
-    score = tl.dot(k, q_t)
-    score = tl.maximum(score, 0.0) * w[None, :]
-    return tl.sum(tl.reshape(score, [BLOCK_S, G_PAD, HI_PAD]), axis=2) * k_scale[:, None], ok
+    return _tile_logits(k, k_scale, q_t, w, BLOCK_S, G_PAD, HI_PAD), ok
 
 
 @triton.jit
@@ -121,21 +120,13 @@ def _fused_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, guess_p
     # their bin histogram in hist[r, split].
     # LOGITS (tests): also store the scored logits to logits_ptr [B * N, width].
     GROUPS: tl.constexpr = (N + G - 1) // G
-    M: tl.constexpr = G_PAD * HI_PAD
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // GROUPS).to(tl.int64)
     g = pid % GROUPS
     seq_len = tl.load(lens_ptr + b)
-    m = tl.arange(0, M)
-    jj, h = m // HI_PAD, m % HI_PAD
-    j = g * G + jj
-    q_ok = (jj < G) & (j < N) & (h < HI)
-    q_row = (b * N + j) * HI + h  # [M] int64
+    q_t, w = _group_queries(q_ptr, w_ptr, b, g, N, HI, G, G_PAD, HI_PAD, D)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + q_row[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0)  # [M, D] e4m3
-    w = tl.load(w_ptr + q_row, mask=q_ok, other=0.0)  # [M] fp32
-    q_t = tl.trans(q)  # [D, M], K-contiguous
     jg = tl.arange(0, G_PAD)
     row_ok = (jg < G) & (g * G + jg < N)
     last = seq_len - N + g * G + jg  # [G_PAD] last visible position
@@ -172,9 +163,7 @@ def _fused_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, guess_p
                                other=0.0)
         pos_next += BLOCK_S
         block_next = tl.load(table_row + pos_next // P, mask=pos_next < compute_end, other=-1).to(tl.int64)
-        score = tl.dot(k8, q_t)  # [BLOCK_S, M] fp32
-        score = tl.maximum(score, 0.0) * w[None, :]
-        logit = tl.sum(tl.reshape(score, [BLOCK_S, G_PAD, HI_PAD]), axis=2) * k_scale[:, None]  # [BLOCK_S, G_PAD]
+        logit = _tile_logits(k8, k_scale, q_t, w, BLOCK_S, G_PAD, HI_PAD)  # [BLOCK_S, G_PAD]
         logit = tl.where(ok[:, None] & (pos[:, None] <= last[None, :]), logit, float("-inf"))
         if LOGITS:
             tl.store(logits_ptr + rows[None, :] * width + pos[:, None], logit,
@@ -225,10 +214,7 @@ def _finish_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, guess_
         cand_row = cand_ptr + r * stride_c
         table_row = table_ptr + b * stride_table
         out_row = out_ptr + r * stride_o
-        lo = tl.load(guess_ptr + r * 4)
-        shift = tl.load(guess_ptr + r * 4 + 1)
-        b_r = tl.load(guess_ptr + r * 4 + 2)  # -1: fewer than k candidates
-        rem = tl.load(guess_ptr + r * 4 + 3)
+        lo, shift, b_r, rem = _row_selection(guess_ptr, r)
         done = False
         if FAST:
             done = _finish_fast(cand_row, fronts_row, splits, span, k, b_r, rem, lo, shift, out_row, table_row, seq_len,
@@ -256,15 +242,8 @@ def _finish_slow(q_ptr, w_ptr, val_ptr, scale_ptr, cand_row, fronts_row, out_row
     else:
         g = jrow // G
         jr = jrow % G
-        m = tl.arange(0, G_PAD * HI_PAD)
-        jj, h = m // HI_PAD, m % HI_PAD
-        j = g * G + jj
-        q_ok = (jj < G) & (j < N) & (h < HI)
-        q_row = (b * N + j) * HI + h
+        q_t, w = _group_queries(q_ptr, w_ptr, b, g, N, HI, G, G_PAD, HI_PAD, D)
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + q_row[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0)
-        w = tl.load(w_ptr + q_row, mask=q_ok, other=0.0)
-        q_t = tl.trans(q)
         jg = tl.arange(0, G_PAD)
         last = seq_len - N + g * G + jg
         group_end = tl.minimum(seq_len - N + tl.minimum(g * G + G, N), num_table_blocks * P)
@@ -364,33 +343,12 @@ def indexer_topk_paged(q8: torch.Tensor, weights: torch.Tensor, index_cache: tor
     The Triton path (CUDA, HI <= 128, DI in 32..256, P a multiple of 16, a contiguous cache) never
     writes the ``[B * N, W]`` logits; with ``max_seq_len`` given it never syncs the host.
     """
-    check_tensor("q8", q8, shape=4)
-    b, n, hi, di = q8.shape
-    block_size = check_block_size(block_size)
-    check_tensor("weights", weights, dtype=torch.float32, shape=(b, n, hi))
-    exact = index_cache.is_floating_point()
-    if exact:
-        check_tensor("index_cache", index_cache, shape=(None, block_size, di))
-        check_tensor("q8", q8, dtype=(torch.bfloat16, torch.float32, torch.float64))
-    else:
-        check_tensor("index_cache", index_cache, dtype=torch.uint8,
-                     shape=(None, block_size * (di + INDEXER_SCALE_BYTES)))
-        check_tensor("q8", q8, dtype=torch.float8_e4m3fn)
-    check_tensor("block_table", block_table, dtype=torch.int32, shape=(b, None))
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(b,))
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k: expected a positive int, got {k!r}")
-    if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 0):
-        raise ValueError(f"max_seq_len: expected None or a non-negative int, got {max_seq_len!r}")
-    device = check_same_device(q8=q8, weights=weights, index_cache=index_cache, block_table=block_table,
-                               seq_lens=seq_lens)
+    block_size, max_seq_len, exact, device = _check_paged_args(q8, weights, index_cache, block_table, seq_lens,
+                                                               block_size, max_seq_len)
+    k = check_int("k", k, minimum=1)
     impl = resolve_backend(backend, device, "indexer_topk_paged", triton_dtypes_ok=not exact, block_size=block_size)
     if impl == "torch":
         return indexer_topk_paged_reference(q8, weights, index_cache, block_table, seq_lens, block_size, k,
                                             max_seq_len)
-    if not 1 <= hi <= 128 or di not in (32, 64, 128, 256):
-        raise ValueError(f"q8: the Triton kernel takes 1 <= HI <= 128 and DI in 32, 64, 128, 256; got shape "
-                         f"{list(q8.shape)}")
-    if not index_cache.is_contiguous():
-        raise ValueError(f"index_cache: the Triton kernel reads a contiguous cache; got strides {index_cache.stride()}")
+    _check_triton_limits(q8, index_cache)
     return _indexer_topk_paged_triton(q8, weights, index_cache, block_table, seq_lens, block_size, k, max_seq_len)

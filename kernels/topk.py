@@ -17,8 +17,8 @@ import triton.language as tl
 from .common import check_block_size, check_int, check_same_device, check_tensor, resolve_backend
 from .slots import positions_to_slots_reference
 from .topk_select import (_HBLOCK, _LBLOCK, _SBLOCK, _SEG, _Z, _append, _finish_fast, _finish_tiles, _gather_fronts,
-                          _guess, _key, _list_row, _place_kernel, _refine, _region_hist, _row_request, _row_window,
-                          _store_positions)
+                          _guess, _key, _list_row, _place_kernel, _refine, _region_hist, _row_request, _row_selection,
+                          _row_window, _store_positions)
 
 
 def _order_key(values: torch.Tensor) -> torch.Tensor:
@@ -153,10 +153,7 @@ def _finish_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, strid
         bt_row, seq_len = _row_request(r, row_to_req_ptr, bt_ptr, stride_bt, seq_lens_ptr, B, SLOTS, 0)
         cand_row = cand_ptr + r * stride_c
         out_row = out_ptr + r * stride_o
-        lo = tl.load(guess_ptr + r * 4)
-        shift = tl.load(guess_ptr + r * 4 + 1)
-        b = tl.load(guess_ptr + r * 4 + 2)  # -1: fewer than k candidates
-        rem = tl.load(guess_ptr + r * 4 + 3)
+        lo, shift, b, rem = _row_selection(guess_ptr, r)
         done = False
         if FAST:
             done = _finish_fast(cand_row, cnt_ptr + r * C, C, CAP, k, b, rem, lo, shift, out_row, bt_row, seq_len, MB, P,

@@ -241,6 +241,14 @@ def _row_request(r, row_to_req_ptr, bt_ptr, stride_bt, seq_lens_ptr, B, SLOTS: t
 
 
 @triton.jit
+def _row_selection(guess_ptr, r):
+    """Row ``r``'s guess record: ``(lo, shift, b, rem)``, ``b = -1`` when fewer than k candidates
+    reached ``lo``."""
+    g = guess_ptr + r * 4
+    return tl.load(g), tl.load(g + 1), tl.load(g + 2), tl.load(g + 3)
+
+
+@triton.jit
 def _threshold(hist_row, C, k, before):
     """From the ``C`` region histograms ``hist_row [C, 256]``: ``(ok, b, rem, n_gt)``, whether at
     least k candidates exist, the bin of the k-th best, how many of bin b are still needed, and

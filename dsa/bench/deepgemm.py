@@ -15,7 +15,7 @@ from dsa.kernels import deepgemm, indexer_logits_paged, indexer_logits_ragged
 from dsa.testing import topk_agreement
 
 from .harness import result_row
-from .indexer import DI, HI, K, P, check_logits, decode_rows, paged_cost, paged_inputs
+from .indexer import DI, HI, K, P, check_logits, decode_rows, paged_cost, paged_inputs, ragged_inputs
 
 PAGED_SHAPES = [(64, 1, 65536), (64, 1, 131072), (1, 1, 131072), (64, 2, 65536)]  # (B, N, S)
 
@@ -45,13 +45,7 @@ def bench_paged(device, timer, ceilings, b: int, n: int, s: int) -> list:
 
 def bench_ragged(device, timer, ceilings, t: int, s: int) -> list:
     """A prefill chunk of ``t`` queries on top of ``s - t`` cached keys (the causal tail)."""
-    g = torch.Generator(device=device).manual_seed(1)
-    q8 = torch.randn(t, HI, DI, generator=g, device=device).to(torch.float8_e4m3fn)
-    w = torch.randn(t, HI, generator=g, device=device)
-    k8 = torch.randn(s, DI, generator=g, device=device).to(torch.float8_e4m3fn)
-    k_scale = torch.rand(s, generator=g, device=device) + 0.5
-    starts = torch.zeros(t, dtype=torch.int32, device=device)
-    ends = torch.arange(s - t + 1, s + 1, dtype=torch.int32, device=device)
+    q8, w, k8, k_scale, starts, ends = ragged_inputs(t, s, device)
     ours = lambda: indexer_logits_ragged(q8, w, k8, k_scale, starts, ends)  # noqa: E731
     theirs = lambda: indexer_logits_ragged(q8, w, k8, k_scale, starts, ends, backend="deepgemm")  # noqa: E731
     out, ref = theirs(), ours()

@@ -54,6 +54,19 @@ def paged_inputs(b: int, n: int, s: int, device, seed: int = 0):
     return q8, weights, cache, table.to(device), seq_lens
 
 
+def ragged_inputs(t: int, s: int, device):
+    """A prefill chunk of ``t`` random FP8 queries on top of ``s - t`` cached keys (the causal
+    tail): ``(q8, weights, k8, k_scale, starts, ends)``."""
+    g = torch.Generator(device=device).manual_seed(1)
+    q8 = torch.randn(t, HI, DI, generator=g, device=device).to(torch.float8_e4m3fn)
+    w = torch.randn(t, HI, generator=g, device=device)
+    k8 = torch.randn(s, DI, generator=g, device=device).to(torch.float8_e4m3fn)
+    k_scale = torch.rand(s, generator=g, device=device) + 0.5
+    starts = torch.zeros(t, dtype=torch.int32, device=device)
+    ends = torch.arange(s - t + 1, s + 1, dtype=torch.int32, device=device)
+    return q8, w, k8, k_scale, starts, ends
+
+
 def decode_rows(lens: torch.Tensor, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(lengths [B * N], row_to_req [B * N])`` int32 of the decode rows: row ``b * N + j`` sees
     positions ``[0, S_b - N + j]``."""
@@ -102,13 +115,7 @@ def bench_query_prep(device, timer, ceilings, t: int) -> dict:
 
 def bench_ragged(device, timer, ceilings, t: int, s: int) -> dict:
     """A prefill chunk of ``t`` queries on top of ``s - t`` cached keys (the causal tail)."""
-    g = torch.Generator(device=device).manual_seed(1)
-    q8 = torch.randn(t, HI, DI, generator=g, device=device).to(torch.float8_e4m3fn)
-    w = torch.randn(t, HI, generator=g, device=device)
-    k8 = torch.randn(s, DI, generator=g, device=device).to(torch.float8_e4m3fn)
-    k_scale = torch.rand(s, generator=g, device=device) + 0.5
-    starts = torch.zeros(t, dtype=torch.int32, device=device)
-    ends = torch.arange(s - t + 1, s + 1, dtype=torch.int32, device=device)
+    q8, w, k8, k_scale, starts, ends = ragged_inputs(t, s, device)
     out = indexer_logits_ragged(q8, w, k8, k_scale, starts, ends)
     rows = torch.arange(0, t, max(1, t // 64), device=device)  # the reference on a subset of rows
     check_logits("indexer_logits_ragged", out[rows],
@@ -221,13 +228,7 @@ def bench_variants(device, timer, ceilings, shapes=((64, 1, 65536), (64, 1, 1310
                          dict(bitwise_default=default, bitwise_fused=fused), emit=emit)
         del q8, w, cache, table, lens, default, fused
     t, s = ragged
-    g = torch.Generator(device=device).manual_seed(1)
-    q8 = torch.randn(t, HI, DI, generator=g, device=device).to(torch.float8_e4m3fn)
-    w = torch.randn(t, HI, generator=g, device=device)
-    k8 = torch.randn(s, DI, generator=g, device=device).to(torch.float8_e4m3fn)
-    k_scale = torch.rand(s, generator=g, device=device) + 0.5
-    starts = torch.zeros(t, dtype=torch.int32, device=device)
-    ends = torch.arange(s - t + 1, s + 1, dtype=torch.int32, device=device)
+    q8, w, k8, k_scale, starts, ends = ragged_inputs(t, s, device)
     default = _indexer_logits_ragged_triton(q8, w, k8, k_scale, starts, ends)
     sub = torch.arange(0, t, max(1, t // 64), device=device)
     check_logits("indexer_logits_ragged", default[sub],
