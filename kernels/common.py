@@ -76,6 +76,11 @@ def check_real(name: str, value, *, positive: bool = False) -> float:
     return value
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (``b > 0``): blocks for ``a`` tokens, tiles for ``a`` columns."""
+    return -(-a // b)
+
+
 def check_block_size(block_size, *, name: str = "block_size") -> int:
     return check_int(name, block_size, minimum=1)
 
