@@ -11,15 +11,17 @@ _EXPORTS = {
     "layer_runs_indexer": "dsa.config",
     "bytes_per_token": "dsa.config",
     "softmax_scale": "dsa.config",
-    "absorb_kv_b": "dsa.absorb",
     "LightningIndexer": "dsa.indexer",
-    "DSAAttention": "dsa.attention",
-    "BatchPlan": "dsa.plan",
+    "absorb_kv_b": "dsa.model",
+    "DSAAttention": "dsa.model",
+    "BatchPlan": "dsa.model",
     "DSAModel": "dsa.model",
     "Engine": "dsa.engine",
-    "SamplingParams": "dsa.sampling",
-    "LLM": "dsa.llm",
-    "Completion": "dsa.llm",
+    "EngineStats": "dsa.engine",
+    "SamplingParams": "dsa.engine",
+    "Delta": "dsa.engine",
+    "LLM": "dsa.serve",
+    "Completion": "dsa.serve",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,6 +1,6 @@
 """What the indexer reads of a step, and what it returns: small typed views built once per step.
 
-The step plan (``dsa.plan.BatchPlan``) builds an :class:`IndexerBatch` once; every indexer layer
+The step plan (``dsa.model.plan.BatchPlan``) builds an :class:`IndexerBatch` once; every indexer layer
 reads it. Rows are the step's new tokens, requests concatenated in order.
 """
 from dataclasses import dataclass

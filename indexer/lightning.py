@@ -1,6 +1,6 @@
 """LightningIndexer: per-layer FP8 scoring of every cached position and top-k straight to slots.
 
-Math (DESIGN section 5), from the attention input ``x [T, hidden]`` and the query latent
+Math (DeepSeek-V3.2 and its reference inference code), from the attention input ``x [T, hidden]`` and the query latent
 ``qr [T, q_lora_rank]``::
 
     q = wq_b(qr).view(T, HI, DI); k = k_norm(wk(x))          # LayerNorm with bias, fp32 math
@@ -21,6 +21,7 @@ from dsa.cache import IndexerKeyCache, gather_indexer_keys, write_indexer_keys
 from dsa.config import DSAConfig
 from .batch import IndexerBatch, Selection
 from dsa.kernels import indexer_logits_paged, indexer_logits_ragged, indexer_query_prep, rope_rotate, topk_slots
+from dsa.kernels.common import cdiv
 from dsa.kernels.indexer_query_prep import weight_scale
 
 RAGGED_CHUNK_ELEMS = 1 << 26  # rows x keys per ragged logits call (256 MiB of fp32 logits)
@@ -51,6 +52,36 @@ class LightningIndexer(nn.Module):
         k = torch.cat((rope_rotate(k[:, :r], rot, c.indexer_rope_interleave), k[:, r:]), dim=-1)
         w = F.linear(x.float(), self.weights_proj.weight.float())  # [T, HI] fp32, whatever the model dtype
         return q, k, w
+
+    def score(self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, queries: torch.Tensor,
+              precision: str | None = None) -> torch.Tensor:
+        """``[Q, T]`` fp32 logits of rows ``queries`` (``[Q]`` int64 positions) of one sequence
+        ``x [T, hidden]`` against its keys ``0 .. T-1``, ``-inf`` past each query: the scoring the
+        model's prefill runs, for tools that measure selection outside a step.
+
+        ``precision`` (default: the config's): ``"exact"`` keeps the model dtype, no Hadamard, no
+        FP8 (differentiable; fitting uses it); ``"fp8"`` writes the keys into a paged FP8 key cache
+        (132-byte records, Hadamard-rotated when configured), gathers them back and scores FP8
+        queries from ``indexer_query_prep`` with ``indexer_logits_ragged``, as :meth:`forward` does.
+        """
+        c = self.config
+        precision = precision or c.indexer_precision
+        if precision not in ("exact", "fp8"):
+            raise ValueError(f"precision: expected 'exact' or 'fp8', got {precision!r}")
+        q, k, w = self.project(x, qr, rot)
+        q, w = q[queries], w[queries]
+        ends = (queries + 1).to(torch.int32)
+        starts = torch.zeros_like(ends)
+        if precision == "exact":
+            return indexer_logits_ragged(q, w * weight_scale(c.index_n_heads, c.index_head_dim), k, None, starts, ends)
+        t, p = x.shape[0], c.block_size
+        cache = IndexerKeyCache(cdiv(t, p), p, head_dim=c.index_head_dim, device=x.device)
+        positions = torch.arange(t, device=x.device)
+        write_indexer_keys(cache, k, positions, hadamard=c.indexer_hadamard)
+        table = torch.arange(cache.num_blocks, dtype=torch.int32, device=x.device)[None]
+        k8, k_scale = gather_indexer_keys(cache, table, torch.tensor([t], dtype=torch.int32, device=x.device))
+        q8, weights = indexer_query_prep(q.contiguous(), w.contiguous(), c.indexer_hadamard)
+        return indexer_logits_ragged(q8, weights, k8, k_scale, starts, ends)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: IndexerBatch, cache: IndexerKeyCache,
                 rot: torch.Tensor) -> Selection:

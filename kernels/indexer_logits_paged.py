@@ -80,7 +80,7 @@ def _group_queries(q_ptr, w_ptr, b, g, N: tl.constexpr, HI: tl.constexpr, G: tl.
 @triton.jit
 def _tile_logits(k, k_scale, q_t, w, BLOCK_S: tl.constexpr, G_PAD: tl.constexpr, HI_PAD: tl.constexpr):
     """``sum_h w[h] * relu(k . q[h]) * k_scale`` of a key tile ``k [BLOCK_S, D]``: ``[BLOCK_S, G_PAD]`` fp32
-    (one FP8 dot, the head sum in the dot layout's order; indexer_topk_paged scores the same way)."""
+    (one FP8 dot, the head sum in the dot layout's order; both paged kernels score the same way)."""
     score = tl.dot(k, q_t)  # [BLOCK_S, G_PAD * HI_PAD] fp32
     score = tl.maximum(score, 0.0) * w[None, :]
     return tl.sum(tl.reshape(score, [BLOCK_S, G_PAD, HI_PAD]), axis=2) * k_scale[:, None]
@@ -206,7 +206,7 @@ def _paged_config(n: int, hi: int) -> tuple[int, int, int, int, int]:
 
 def _tma_ok(index_cache, block_size: int, di: int) -> bool:
     """Whether the TMA kernel reads this cache: P = 64 (a block is a tile whose dot has the warp layout
-    of the pointer kernel's and indexer_topk_paged's tiles, so the same head-sum order), DI in 64, 128
+    of the pointer kernel's tiles, so the same head-sum order), DI in 64, 128
     (one swizzled row), a 16-byte aligned cache with at least one block."""
     return block_size == 64 and di in (64, 128) and index_cache.shape[0] > 0 and index_cache.data_ptr() % 16 == 0
 
@@ -253,7 +253,7 @@ def _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens
 
 
 def _check_paged_args(q8, weights, index_cache, block_table, seq_lens, block_size, max_seq_len):
-    """The argument checks of the paged indexer ops (``indexer_logits_paged``, ``indexer_topk_paged``):
+    """The argument checks of ``indexer_logits_paged``:
     ``(block_size, max_seq_len, exact, device)``, ``exact`` for a floating-point (exact) cache."""
     check_tensor("q8", q8, shape=4)
     b, n, hi, di = q8.shape

@@ -62,7 +62,7 @@ def topk_indices_reference(logits, lengths, k, starts=None):
 
 
 # ---------------------------------------------------------------- Triton: guess, verify, refine
-# (the machinery, shared with indexer_topk_paged, is in topk_select.py)
+# (the machinery is in topk_select.py)
 #
 # Three launches, no memset, no atomics. Keys: ``_key`` of the fp32 bits, an int32 whose signed
 # order is ``_order_key``'s (NaN by its bits). A row of ``n > k`` columns is cut into C chunks:

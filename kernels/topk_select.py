@@ -1,6 +1,5 @@
-"""The exact top-k machinery shared by ``topk`` (``topk_indices`` / ``topk_slots``) and
-``indexer_topk_paged``: the guess from a sample, candidate regions and their histograms, the place
-kernel, and the digit-by-digit selection of the k-th value's bin (see topk.py for the scheme).
+"""The exact top-k machinery of ``topk`` (``topk_indices`` / ``topk_slots``): the guess from a
+sample, candidate regions and their histograms, the place kernel, and the digit-by-digit selection of the k-th value's bin (see topk.py for the scheme).
 
 Keys: ``_key`` of the fp32 bits, an int32 whose signed order is ``topk._order_key``'s (NaN by its
 bits). Candidates are ``key << 32 | column`` int64 entries, in column order within a region.

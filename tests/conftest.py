@@ -81,13 +81,18 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _install_interpreter_fix()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow (CI does)")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
+    slow = None if config.getoption("--run-slow") else pytest.mark.skip(reason="slow: run with --run-slow")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if gpu is not None and "gpu" in item.keywords:
+            item.add_marker(gpu)
+        if slow is not None and "slow" in item.keywords:
+            item.add_marker(slow)
 
 
 @pytest.fixture

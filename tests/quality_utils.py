@@ -3,7 +3,7 @@
 The weights are drawn in the Hugging Face layout (Q/K heads rotate halves) and written the way
 llama.cpp's converter writes them: Q and K rows permuted per head so that RoPE rotates adjacent
 pairs. The reference undoes the permutation and rotates halves, so it shares no code with
-``dsa.teacher`` (it dequantizes with ``gguf.quants``).
+``dsa.quality.teacher`` (it dequantizes with ``gguf.quants``).
 """
 import numpy as np
 import torch

@@ -1,28 +1,9 @@
-"""Block allocation and the cache storage objects."""
+"""The cache storage objects."""
 import pytest
 import torch
 
-from dsa.cache import (BlockAllocator, CacheFullError, IndexerKeyCache, LatentCache, gather_indexer_keys,
-                       write_indexer_keys)
+from dsa.cache import IndexerKeyCache, LatentCache, gather_indexer_keys, write_indexer_keys
 from dsa.kernels import quant_ue8m0
-
-
-def test_allocator_serves_frees_and_refuses_without_change():
-    a = BlockAllocator(5)
-    first = a.allocate(3)
-    assert first == [0, 1, 2] and a.num_free == 2
-    with pytest.raises(CacheFullError):
-        a.allocate(3)
-    assert a.num_free == 2  # nothing changed
-    assert isinstance(CacheFullError("x"), RuntimeError)
-    a.free([1])
-    assert a.allocate(2) == [1, 3]
-    with pytest.raises(ValueError, match="blocks"):
-        a.free([4])  # never allocated
-    with pytest.raises(ValueError, match="blocks"):
-        a.free([0, 0])
-    assert a.num_free == 1
-    assert a.allocate(0) == []
 
 
 def test_cache_shapes_and_bytes():

@@ -30,7 +30,7 @@ def test_recall_help_shows_defaults_and_a_sweep_within_the_context(capsys):
         main(["recall", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 1024)" in text and "(default: 32)" in text and "(default: tiny)" in text
-    from dsa.recall import SWEEP
+    from dsa.quality.recall import SWEEP
     assert f"from {SWEEP[0]} to {SWEEP[-1]} below the context" in text
     assert [k for k in SWEEP if k < 1024] == [64, 128, 256, 512]
 
@@ -40,7 +40,7 @@ def test_recall_help_shows_defaults_and_a_sweep_within_the_context(capsys):
 def test_missing_matplotlib_is_named_before_any_work(argv, command, monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    import dsa.model
-    monkeypatch.setattr(dsa.model.DSAModel, "random", lambda *a, **k: pytest.fail("computed before refusing"))
+    import dsa.model.model
+    monkeypatch.setattr(dsa.model.model.DSAModel, "random", lambda *a, **k: pytest.fail("computed before refusing"))
     with pytest.raises(SystemExit, match=r"\[eval\]"):
         main(argv + ["--out", str(tmp_path)] if command == "dsa recall" else argv + ["--results", str(tmp_path)])

@@ -6,7 +6,7 @@ import pytest
 
 import dsa
 from dsa import Engine, SamplingParams
-from dsa.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer
+from dsa.serve.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer
 from tests.model_utils import prompt, tiny_model
 
 BYTES = dict(vocab_size=258, bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID)
@@ -119,7 +119,7 @@ def test_abort_frees_blocks_of_running_and_waiting_requests(model):
     assert a in engine.running and [r.rid for r in engine.waiting] == [b]
     assert engine.abort(b) and not engine.waiting and engine.allocator.num_free == 0
     assert engine.abort(a) and not engine.running and engine.allocator.num_free == 3
-    assert engine.stats["blocks_in_use"] == 0
+    assert engine.stats.blocks_in_use == 0
     assert not engine.abort(a) and not engine.abort(12345)
     assert [d.finish_reason for d in seen if d.request_id == b] == ["abort"]
     assert seen[-1].request_id == a and seen[-1].finish_reason == "abort"

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dsa import DSAConfig, DSAModel, Engine
-from dsa.plan import HostPlan
-from dsa.runner import batch_bucket, context_bucket
+from dsa.model.plan import HostPlan
+from dsa.engine.runner import batch_bucket, context_bucket
 
 pytestmark = pytest.mark.gpu
 
@@ -68,7 +68,7 @@ def test_graph_engine_gives_the_eager_engines_tokens(model):
     p = _prompts()[1]  # one request: the bucket of 1 row is the eager shape
     graph = Engine(model, num_blocks=16)
     assert graph.generate([p], 10)[0] == Engine(model, num_blocks=16, cuda_graphs=False).generate([p], 10)[0]
-    assert graph.stats["graph_steps"] == 9  # every decode step after the prefill
+    assert graph.stats.graph_steps == 9  # every decode step after the prefill
     both = Engine(model, num_blocks=64).generate(_prompts(), 4)
     assert [o[0] for o in both] == [o[0] for o in Engine(model, num_blocks=64, cuda_graphs=False).generate(_prompts(), 4)]
 
@@ -78,4 +78,4 @@ def test_capture_up_front(model):
     assert engine.runner.capture(200, batch_sizes=(1, 3)) == 2  # buckets 1 and 4, padding rows only
     assert engine.allocator.num_free == 16
     out = engine.generate([_prompts()[0]], 5)[0]
-    assert len(out) == 5 and engine.stats["graph_steps"] == 4
+    assert len(out) == 5 and engine.stats.graph_steps == 4

@@ -77,6 +77,6 @@ def test_peak_workspace_matches_allocator_growth():
     engine.step()
     torch.cuda.synchronize()
     growth = torch.cuda.max_memory_allocated() - base
-    ws = engine.stats["peak_workspace_bytes"]
-    assert engine.stats["rows"]["dense_prefill_mha"] == 4096 and rid not in engine.running
+    ws = engine.stats.peak_workspace_bytes
+    assert engine.stats.rows["dense_prefill_mha"] == 4096 and rid not in engine.running
     assert ws <= growth <= 4 * ws, (ws, growth)  # the math SDPA path would need H * Q * S floats more

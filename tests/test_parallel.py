@@ -113,8 +113,8 @@ def test_a_transformers_checkpoint_loads_sharded(two_ranks):
 def test_each_rank_reads_only_its_shard_of_fp8_blocks(rank, tmp_path):
     """Split rows of q_b_proj (2 x 192) cut through a 128-row scale block: the shard dequantizes with
     the blocks of its own rows."""
-    from dsa.loading import read_pretrained
-    from dsa.parallel import TensorParallel
+    from dsa.model.loading import read_pretrained
+    from dsa.model.parallel import TensorParallel
     from tests.test_loading import _hf_tensors, _quantize_fp8_block, _write
     from tests.model_utils import tiny_model
     tensors = {}

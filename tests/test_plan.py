@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dsa import BatchPlan, DSAConfig
-from dsa.dispatch import Dispatch, load_dispatch
+from dsa.model.dispatch import Dispatch, load_dispatch
 from dsa.kernels import positions_to_slots
-from dsa.plan import HostPlan
+from dsa.model.plan import HostPlan
 
 P = 16
 
@@ -23,9 +23,9 @@ def _plan(query_lens, context_lens, k=16, dispatch=None, kv_bytes=0, **kw):
 
 
 def test_rows_split_by_valid_range():
-    # decode with S=16 (fits), decode with S=17 (sparse), a prefill chunk straddling index_topk
+    # decode with S=16 (fits: its top-k is every position), with S=17, a prefill chunk straddling index_topk
     plan = _plan([1, 1, 10], [15, 16, 10])
-    assert plan.rows["dense_decode"] == 1 and plan.rows["sparse_decode"] == 1
+    assert plan.rows["sparse_decode"] == 2 and plan.rows["dense_decode"] == 0  # both run top-k + sparse
     # chunk positions 10..19: 10..15 have ranges <= 16 (dense), 16..19 sparse
     assert plan.rows["dense_prefill_absorbed"] == 6 and plan.rows["sparse_prefill"] == 4
     assert plan.positions.tolist() == [15, 16] + list(range(10, 20))
@@ -79,7 +79,7 @@ def test_padding_to_a_graph_bucket():
     assert plan.block_table.shape == (8, 16) and plan.input_ids.tolist() == [5, 6, 7, 0, 0, 0, 0, 0]
     assert plan.seq_lens.tolist() == [31, 8, 71, 0, 0, 0, 0, 0]  # padding rows see nothing
     assert (plan.slot_mapping[3:] == -1).all() and (plan.slot_mapping[:3] >= 0).all()  # ... and write nowhere
-    assert plan.rows["sparse_decode"] == 2 and plan.rows["dense_decode"] == 1  # real rows only
+    assert plan.rows["sparse_decode"] == 3 and plan.rows["dense_decode"] == 0  # real rows only
     again = HostPlan.pack([1], [3], _tables(1), P, "cpu", index_topk=16, input_ids=[1], num_rows=8,
                           max_seq_len=256, num_block_columns=16)
     assert again.spec == host.spec  # one bucket, one layout: a captured graph's buffer is refilled in place

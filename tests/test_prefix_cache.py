@@ -29,9 +29,9 @@ def test_shared_three_block_prefix(model):
     prompts = [doc + prompt(7, 2), doc + prompt(12, 3)]
     runs = _both(model, prompts)
     assert runs[True][0] == runs[False][0]
-    stats = runs[True][1].stats["prefix"]
-    assert stats["hit_tokens"] == 3 * P and stats["prompt_tokens"] == sum(map(len, prompts))
-    assert runs[False][1].stats["prefix"]["hit_tokens"] == 0
+    stats = runs[True][1].stats.prefix
+    assert stats.hit_tokens == 3 * P and stats.prompt_tokens == sum(map(len, prompts))
+    assert runs[False][1].stats.prefix.hit_tokens == 0
 
 
 def test_multi_turn_chat_reuses_each_turn(model):
@@ -40,7 +40,7 @@ def test_multi_turn_chat_reuses_each_turn(model):
     for turn in range(3):
         out = engine.generate([history], 5)[0]
         assert out == plain.generate([history], 5)[0]
-        hits.append(engine.stats["prefix"]["hit_tokens"])
+        hits.append(engine.stats.prefix.hit_tokens)
         history = history + out + prompt(9, 10 + turn)  # the next turn extends this one, answer included
     assert hits[0] == 0 and hits[2] > hits[1] > 0
 
@@ -50,7 +50,7 @@ def test_prompt_entirely_cached_recomputes_its_last_block(model, length):
     p = prompt(length, 5)
     runs = _both(model, [p, p])
     assert runs[True][0] == runs[False][0] and runs[True][0][0] == runs[True][0][1]
-    assert runs[True][1].stats["prefix"]["hit_tokens"] == (length - 1) // P * P  # never the last token's block
+    assert runs[True][1].stats.prefix.hit_tokens == (length - 1) // P * P  # never the last token's block
 
 
 def test_eviction_under_a_small_pool(model):
@@ -58,7 +58,7 @@ def test_eviction_under_a_small_pool(model):
     prompts = [prompt(40, 20 + i) for i in range(4)] + [prompt(40, 20)]  # the last repeats the first
     runs = _both(model, prompts, num_blocks=8)  # 8 blocks = 128 tokens: room for ~2 cached prompts
     assert runs[True][0] == runs[False][0]
-    assert runs[True][1].stats["prefix"]["evictions"] > 0
+    assert runs[True][1].stats.prefix.evictions > 0
     engine = Engine(model, num_blocks=8)
     a = engine.add_request(prompt(40, 30), 30)  # 70 tokens: 5 of the 8 blocks, held throughout
     engine.step()
@@ -68,7 +68,7 @@ def test_eviction_under_a_small_pool(model):
         while r in engine.running or any(w.rid == r for w in engine.waiting):
             out += engine.step().get(a, [])
             assert engine.running[a].blocks == held
-    assert engine.stats["prefix"]["evictions"] == 2
+    assert engine.stats.prefix.evictions == 2
     while a in engine.running:
         out += engine.step().get(a, [])
     assert out == Engine(model, num_blocks=8).generate([prompt(40, 30)], 30)[0][1:]
@@ -83,7 +83,7 @@ def test_interleaved_requests_with_different_prefixes(model):
         second = engine.generate(prompts[2:], 4)  # these share prefixes with the first two
         if caching:
             cached = first + second
-            assert engine.stats["prefix"]["hit_tokens"] == 2 * P + 3 * P
+            assert engine.stats.prefix.hit_tokens == 2 * P + 3 * P
         else:
             assert cached == first + second
 
@@ -96,7 +96,7 @@ def test_nan_in_free_blocks_never_reaches_an_output(model):
     real_step = engine.step
 
     def poisoned():  # before every step (and admission): NaN bytes in every block no one may read
-        free = torch.tensor(engine.scheduler.blocks.free_block_ids(), dtype=torch.long)
+        free = torch.tensor(list(engine.scheduler.blocks.free_ids), dtype=torch.long)
         for latent, index in engine.caches:
             latent.data.view(torch.uint8)[free] = 0xFF
             if index is not None:
@@ -105,7 +105,7 @@ def test_nan_in_free_blocks_never_reaches_an_output(model):
 
     engine.step = poisoned
     assert [engine.generate([p], 4)[0] for p in prompts] == clean
-    assert engine.stats["prefix"]["hit_tokens"] == 3 * P
+    assert engine.stats.prefix.hit_tokens == 3 * P
 
 
 def test_a_block_is_named_by_its_whole_prefix(model):
@@ -114,7 +114,7 @@ def test_a_block_is_named_by_its_whole_prefix(model):
     prompts = [x + y + prompt(3, 90), z + w + prompt(3, 91), x + w + prompt(3, 92)]
     runs = _both(model, prompts)
     assert runs[True][0] == runs[False][0]
-    assert runs[True][1].stats["prefix"]["hit_tokens"] == P  # the third reuses x, not the w after z
+    assert runs[True][1].stats.prefix.hit_tokens == P  # the third reuses x, not the w after z
 
 
 def test_reused_prefix_restores_the_indexer_keys(model, monkeypatch):
@@ -135,14 +135,14 @@ def test_reused_prefix_restores_the_indexer_keys(model, monkeypatch):
     def selections(corrupt):
         import copy
         e = copy.deepcopy(engine)
-        blocks = sorted(reused) if corrupt == "reused" else e.scheduler.blocks.free_block_ids()
+        blocks = sorted(reused) if corrupt == "reused" else list(e.scheduler.blocks.free_ids)
         for _, index in e.caches:
             if index is not None and corrupt is not None:
                 index.data[blocks] = torch.randn(index.data[blocks].shape).to(index.data.dtype) if \
                     index.data.is_floating_point() else index.data[blocks].flip(-1)
         seen.clear()
         e.generate([doc + prompt(9, 72)], 2)
-        assert e.stats["prefix"]["hit_tokens"] == 3 * P  # the new request reused the document's 3 blocks
+        assert e.stats.prefix.hit_tokens == 3 * P  # the new request reused the document's 3 blocks
         return [s.clone() for s in seen]
 
     clean, others, reused_bad = selections(None), selections("free"), selections("reused")

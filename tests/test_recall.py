@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dsa.cli import main
-from dsa.recall import _recall, measure
+from dsa.quality.recall import _recall, measure
 from tests.model_utils import tiny_model
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from dsa.sampling import Sampler, SamplingParams, hash32, keep_mask, noise_keys, sample_tokens
+from dsa.engine.sampling import Sampler, SamplingParams, hash32, keep_mask, noise_keys, sample_tokens
 
 PROBS = [0.15, 0.5, 0.05, 0.2, 0.1]  # token 1 is the most likely, then 3, 0, 4, 2
 

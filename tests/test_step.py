@@ -11,9 +11,9 @@ import functools
 import pytest
 import torch
 
-import dsa.attention
+import dsa.model.attention
 import dsa.indexer.lightning
-import dsa.plan
+import dsa.model.plan
 from dsa import Engine
 from dsa.indexer import LightningIndexer
 from tests.model_utils import prompt, tiny_model
@@ -62,7 +62,7 @@ def test_decode_step_makes_no_host_round_trip(model, monkeypatch):
         return run
 
     with monkeypatch.context() as m:
-        for module in (dsa.attention, dsa.indexer.lightning, dsa.plan):  # the ops these modules call
+        for module in (dsa.model.attention, dsa.indexer.lightning, dsa.model.plan):  # the ops these modules call
             for name, value in vars(module).items():
                 if callable(value) and getattr(value, "__module__", "").startswith(("dsa.kernels", "dsa.cache")):
                     m.setattr(module, name, op(value))
@@ -76,8 +76,8 @@ def test_decode_step_makes_no_host_round_trip(model, monkeypatch):
 def test_one_plan_per_step_read_by_every_layer(model, monkeypatch):
     engine = _decoding_engine(model)
     builds, plans = [], []
-    real_build, real_forward = dsa.plan.BatchPlan.build.__func__, LightningIndexer.forward
-    monkeypatch.setattr(dsa.plan.BatchPlan, "build", classmethod(
+    real_build, real_forward = dsa.model.plan.BatchPlan.build.__func__, LightningIndexer.forward
+    monkeypatch.setattr(dsa.model.plan.BatchPlan, "build", classmethod(
         lambda cls, *a, **kw: builds.append(real_build(cls, *a, **kw)) or builds[-1]))
 
     def spy(self, x, qr, batch, *rest):

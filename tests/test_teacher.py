@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from dsa.ggml import dequantize
-from dsa.teacher import LlamaTeacher, attention_probs, selection_mask
+from dsa.quality.ggml import dequantize
+from dsa.quality.teacher import LlamaTeacher, attention_probs, selection_mask
 from tests.quality_utils import reference_logits, write_tiny_gguf
 
 gguf = pytest.importorskip("gguf")  # the test extra has it; a bare GPU box may not

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from dsa.chat_template import ChatTemplateError, render_chat
-from dsa.output import TextOutput
-from dsa.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer, Tokenizer, load_tokenizer
+from dsa.serve.chat_template import ChatTemplateError, render_chat
+from dsa.engine.output import TextOutput
+from dsa.serve.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer, Tokenizer, load_tokenizer
 from tests.text_utils import CHAT_TEMPLATE, write_tokenizer
 
 TEXTS = ["plain ascii", "naïve café", "東京は日本の首都です。", "emoji 🎉🚀✨ mixed é", "", " leading and trailing "]

@@ -110,7 +110,7 @@ def test_block_size_not_multiple_of_16_is_refused_for_triton(monkeypatch):
 # ---- one int check everywhere: bools, floats and tensors are refused, naming the argument
 
 def _int_sites():
-    from dsa.cache import BlockAllocator, IndexerKeyCache, LatentCache
+    from dsa.cache import IndexerKeyCache, LatentCache
     i32 = dict(dtype=I32)
     return {
         "block_size": lambda v: K.positions_to_slots(torch.zeros(1, 2, **i32), torch.zeros(1, 1, **i32),
@@ -124,7 +124,6 @@ def _int_sites():
         "rope_dim": lambda v: K.yarn_cos_sin(4, v, 1e4, None),
         "num_blocks": lambda v: LatentCache(v, 16),
         "head_dim": lambda v: IndexerKeyCache(1, 16, head_dim=v),
-        "n": lambda v: BlockAllocator(4).allocate(v),
     }
 
 

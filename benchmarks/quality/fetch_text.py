@@ -119,7 +119,7 @@ def main(argv=None) -> int:
                "heldout/sotu-1990-2016": sotu_heldout, "heldout/linux-doc-6.1": linux_docs(linux_root, args.linux_mb)}
     tokenizer = None
     if args.tokens:
-        from dsa.teacher import load_tokenizer
+        from dsa.quality.teacher import load_tokenizer
         tokenizer = load_tokenizer(args.gguf)
     manifest = {"npm": NPM, "deb": {"python": py_deb, "linux": linux_deb}, "files": {}}
     for name, docs in sources.items():
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
             f.write(SEP.join(docs))
         entry = {"documents": len(docs), "chars": sum(map(len, docs))}
         if tokenizer is not None:
-            from dsa.corpus import read_tokens, save_tokens
+            from dsa.quality.corpus import read_tokens, save_tokens
             ids = read_tokens(path, tokenizer)
             save_tokens(ids, os.path.join(args.out, name + ".npy"))
             entry["tokens"] = int(len(ids))

@@ -14,9 +14,9 @@ import os
 import torch
 
 from dsa.cache import LatentCache
-from dsa.dispatch import Dispatch
+from dsa.model.dispatch import Dispatch
 from dsa.kernels import dense_mla_decode
-from dsa.plan import BatchPlan
+from dsa.model.plan import BatchPlan
 from dsa.testing import random_block_tables
 
 from .harness import gpu_slug, result_row

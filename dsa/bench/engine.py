@@ -13,11 +13,11 @@ import time
 import torch
 
 from dsa.config import DSAConfig
-from dsa.demo import GPU_DEFAULT
+from dsa.model.presets import GPU_DEFAULT
 from dsa.engine import Engine
 from dsa.model import DSAModel
-from dsa.runner import batch_bucket, context_bucket
-from dsa.sampling import SamplingParams
+from dsa.engine.runner import batch_bucket, context_bucket
+from dsa.engine.sampling import SamplingParams
 
 from .harness import result_row
 from .indexer import random_index_cache
@@ -80,7 +80,7 @@ def run(device, timer, ceilings, args) -> list:
                 out = engine.step()  # ends with the sampled ids on the host
                 walls.append((time.perf_counter() - t0) * 1e6)
                 assert len(out) == b
-            assert engine.stats["graph_steps"] == WARMUP + STEPS
+            assert engine.stats.graph_steps == WARMUP + STEPS
             walls = sorted(walls[WARMUP:])
             step_us = walls[len(walls) // 2]
             graph = engine.runner.graphs[(batch_bucket(b), context_bucket(s + WARMUP + STEPS, model.config.block_size))]

@@ -1,6 +1,6 @@
 """Benchmark harness: same-run ceilings, L2-flushed CUDA-event medians, result rows and JSON files.
 
-Method (DESIGN section 9): ceilings first, in the same process (a 4 GiB device-to-device copy
+Method: ceilings first, in the same process (a 4 GiB device-to-device copy
 counting read + write; median of repeated 8192^3 bf16 and fp8 products); then each op, checked
 against its reference before it is timed; each time is the median of CUDA-event timings with
 the L2 flushed before every call.

@@ -1,12 +1,11 @@
 """``dsa bench indexer``: key write, query prep, paged decode logits, the decode indexer step
-(logits + top-k: fused, and as the unfused pair), ragged prefill logits.
+(logits + top-k to slots), ragged prefill logits.
 
 Each Triton row is checked against the torch reference on the same inputs before it is timed
 (logits: ``calc_diff < 1e-6`` over finite entries and identical ``-inf`` masks; key write and
-query prep: equal bytes; the fused step: the pair's slot sets). Decode rows are timed eagerly and
-replayed from a CUDA graph (``+graph``). Targets (issue #16, H200) are recorded as ``target_us``.
-``--variants`` adds the Triton launchers' tuning knobs, each row checked bit for bit against the
-default launch (and the paged ones against the fused op's logits).
+query prep: equal bytes). Decode rows are timed eagerly and replayed from a CUDA graph
+(``+graph``). Targets (issue #16, H200) are recorded as ``target_us``. ``--variants`` adds the
+Triton launchers' tuning knobs, each row checked bit for bit against the default launch.
 """
 import json
 
@@ -14,14 +13,13 @@ import torch
 
 from dsa.kernels import (indexer_key_write, indexer_key_write_reference, indexer_logits_paged,
                          indexer_logits_paged_reference, indexer_logits_ragged, indexer_logits_ragged_reference,
-                         indexer_query_prep, indexer_query_prep_reference, indexer_topk_paged, topk_slots)
+                         indexer_query_prep, indexer_query_prep_reference, topk_slots)
 from dsa.testing import calc_diff, random_block_tables
 
 from .harness import result_row
 
 HI, DI, P, K = 64, 128, 64, 2048
 PAGED_TARGET_US = {(64, 65536, 1): 150.0, (64, 131072, 1): 290.0}
-FUSED_TARGET_US = {(64, 65536, 1): 165.0, (1, 131072, 1): 25.0}
 RAGGED_TARGET_TFLOPS = 1000.0
 
 
@@ -75,12 +73,6 @@ def decode_rows(lens: torch.Tensor, n: int, width: int) -> tuple[torch.Tensor, t
     return lengths, torch.arange(len(lens), dtype=torch.int32, device=lens.device).repeat_interleave(n)
 
 
-def check_same_slots(name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
-    if not torch.equal(out.sort(dim=1).values, ref.sort(dim=1).values):
-        bad = (out.sort(dim=1).values != ref.sort(dim=1).values).any(dim=1).nonzero().flatten().tolist()
-        raise RuntimeError(f"{name}: rows {bad[:8]} select other slots than logits + topk_slots")
-
-
 def paged_cost(b: int, n: int, s: int) -> tuple[int, int]:
     """(bytes, flops): every key record read once, the logits written once."""
     return b * s * (DI + 4) + b * n * s * 4 + b * n * HI * (DI + 4), 2 * b * n * s * HI * DI
@@ -129,7 +121,7 @@ def bench_ragged(device, timer, ceilings, t: int, s: int) -> dict:
 
 
 def bench_paged(device, timer, ceilings, b: int, n: int, s: int) -> list:
-    """Paged logits (eager and graph), then the decode indexer step: fused and as the pair."""
+    """Paged logits (eager and graph), then the decode indexer step (logits + top-k to slots)."""
     rows = []
     q8, w, cache, table, lens = paged_inputs(b, n, s, device)
     out = indexer_logits_paged(q8, w, cache, table, lens, P, s)
@@ -147,14 +139,9 @@ def bench_paged(device, timer, ceilings, b: int, n: int, s: int) -> list:
         rows.append(result_row("indexer_logits_paged", "torch-reference", shape, t, ceilings, **cost))
     lengths, row_to_req = decode_rows(lens, n, s)
     pair = lambda: topk_slots(logits(), lengths, K, table, row_to_req, lens, P)  # noqa: E731
-    fused = lambda: indexer_topk_paged(q8, w, cache, table, lens, P, K, s)  # noqa: E731
-    check_same_slots("indexer_topk_paged", fused(), pair())
     step = dict(shape, k=K)
-    step_cost = dict(bytes_moved=nbytes - b * n * s * 4, flops=flops, bound="copy")  # the logits never written
-    rows.append(result_row("indexer_topk_paged", "triton+graph", step, timer(fused, graph=True), ceilings, **step_cost,
-                           target_us=FUSED_TARGET_US.get((b, s, n))))
-    rows.append(result_row("indexer_topk_paged", "logits+topk_slots+graph", step, timer(pair, graph=True), ceilings,
-                           **step_cost))
+    rows.append(result_row("indexer_decode_step", "logits+topk_slots+graph", step, timer(pair, graph=True), ceilings,
+                           bytes_moved=nbytes, flops=flops, bound="copy"))
     return rows
 
 
@@ -173,7 +160,7 @@ def run(device, timer, ceilings, args) -> list:
 
 
 # --variants: launcher knobs of the Triton kernels (none changes a bit of the result; each row says
-# whether it matched the default's logits, and the fused op's for the paged ones, bit for bit)
+# whether it matched the default's logits bit for bit)
 PAGED_VARIANTS = [
     dict(tma=False, max_tiles=16), dict(tma=False, max_tiles=16, stages=5),
     dict(tma=True, stages=3), dict(tma=True, stages=4), dict(tma=True, stages=5), dict(tma=True, stages=6),
@@ -209,24 +196,21 @@ def bench_variants(device, timer, ceilings, shapes=((64, 1, 65536), (64, 1, 1310
                    ragged=(4096, 65536), emit=print) -> list:
     """Every variant of PAGED_VARIANTS at ``shapes`` and of RAGGED_VARIANTS at ``ragged``, eager and
     graph-replayed, each compared bit for bit with the default launch (whose logits are checked
-    against the reference) and, paged, with the logits the fused op scores."""
+    against the reference)."""
     from dsa.kernels.indexer_logits_paged import _indexer_logits_paged_triton
     from dsa.kernels.indexer_logits_ragged import _indexer_logits_ragged_triton
-    from dsa.kernels.indexer_topk_paged import _indexer_topk_paged_triton
     rows = []
     for b, n, s in shapes:
         q8, w, cache, table, lens = paged_inputs(b, n, s, device)
         default = _indexer_logits_paged_triton(q8, w, cache, table, lens, P, s)
         check_logits("indexer_logits_paged", default, indexer_logits_paged_reference(q8, w, cache, table, lens, P, s))
-        fused = torch.full_like(default, float("-inf"))
-        _indexer_topk_paged_triton(q8, w, cache, table, lens, P, K, s, logits=fused)
         nbytes, flops = paged_cost(b, n, s)
         for kw in PAGED_VARIANTS:
             fn = lambda: _indexer_logits_paged_triton(q8, w, cache, table, lens, P, s, **kw)  # noqa: E731
             _variant_row(rows, timer, ceilings, "indexer_logits_paged", kw, fn, dict(B=b, N=n, S=s, HI=HI),
                          dict(bytes_moved=nbytes, flops=flops, bound="copy"),
-                         dict(bitwise_default=default, bitwise_fused=fused), emit=emit)
-        del q8, w, cache, table, lens, default, fused
+                         dict(bitwise_default=default), emit=emit)
+        del q8, w, cache, table, lens, default
     t, s = ragged
     q8, w, k8, k_scale, starts, ends = ragged_inputs(t, s, device)
     default = _indexer_logits_ragged_triton(q8, w, k8, k_scale, starts, ends)

@@ -54,7 +54,8 @@ def dense_cost(b: int, s: int, n: int = 1, fmt: str = "bf16", h: int = H) -> tup
 
 
 def check(got, want, what: str) -> None:
-    """DESIGN section 8 tolerances against the reference on the same inputs, before any timing."""
+    """The reference check before any timing: output within 2e-2 of the largest |value| (bf16 rounding
+    over a 512-wide latent), LSE within 1e-3."""
     out, lse = got
     ref_out, ref_lse = want
     err = ((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item()

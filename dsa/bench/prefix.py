@@ -5,12 +5,13 @@ A 32K-token document is followed by 8 different 64-token questions, asked one af
 request's time to first token is the wall time from ``add_request`` to its first sampled token on
 the host. An untimed request on another document of the same length first compiles every kernel.
 """
+import dataclasses
 import time
 
 import torch
 
 from dsa.config import DSAConfig
-from dsa.demo import GPU_DEFAULT
+from dsa.model.presets import GPU_DEFAULT
 from dsa.engine import Engine
 from dsa.model import DSAModel
 
@@ -38,9 +39,9 @@ def run(device, timer, ceilings, args) -> list:
     for caching in (True, False):
         engine = Engine(model, num_blocks=2 * -(-(DOC + QUESTION + 1) // p) + 8, prefix_caching=caching)
         ttft(engine, other + questions[0])  # compiles the kernels; its blocks never match the document
-        before = dict(engine.stats["prefix"])
+        before = dataclasses.asdict(engine.stats.prefix)
         times = [ttft(engine, doc + q) for q in questions]
-        stats = {k: v - before[k] for k, v in engine.stats["prefix"].items() if k in before}
+        stats = {k: v - before[k] for k, v in dataclasses.asdict(engine.stats.prefix).items()}
         name = "cached" if caching else "uncached"
         for i, t in enumerate(times):
             ratio = t / times[0]

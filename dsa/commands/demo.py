@@ -1,0 +1,135 @@
+"""``python -m dsa demo``: generate on the embedded default model and report speed and cache bytes.
+
+The model: :func:`dsa.model.presets.default_model` (the ``demo-gpu`` shapes on CUDA, ``demo-cpu``
+on CPU; random weights, seed 0: the tokens are not language). The prompt is prefilled in chunks of
+``--max-batch-tokens`` (default: an eighth of it), so progress shows during the prefill.
+"""
+import json
+import time
+
+import torch
+from tqdm import tqdm
+
+from dsa.config import bytes_per_token, indexer_layers, latent_format
+from dsa.kernels.common import cdiv
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="generate on an embedded default model (or --checkpoint) and report speed")
+    p.add_argument("--checkpoint", help="a HF checkpoint folder (deepseek_v32, glm_moe_dsa, deepseek_v3)")
+    p.add_argument("--context", type=int, help="prompt tokens (default: 4096 on CPU, 32768 on a GPU)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=1, help="requests generated together (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=int, help="rows per step, the prefill chunk (default: an eighth of "
+                   "the prompt, rounded up to a block, at most 8192)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each: start with "
+                   "`torchrun --nproc-per-node N -m dsa demo --tp N` (default: %(default)s)")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    p.set_defaults(func=run)
+
+
+def build_model(args, device: torch.device):
+    from dsa.model import DSAModel
+    from dsa.model.presets import default_model
+    if args.checkpoint:
+        return DSAModel.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device=device, tp_size=args.tp)
+    return default_model(device, tp_size=args.tp)
+
+
+def run(args) -> int:
+    from dsa.bench.harness import env_info
+    from dsa.engine import Engine, SamplingParams
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("dsa demo: --device cuda asked for, but no CUDA GPU is visible")
+    context = args.context if args.context is not None else (32768 if device.type == "cuda" else 4096)
+    for flag, value in (("--context", context), ("--new-tokens", args.new_tokens), ("--batch", args.batch),
+                        ("--max-batch-tokens", args.max_batch_tokens)):
+        if value is not None and value < 1:
+            raise SystemExit(f"dsa demo: {flag} must be a positive number, got {value}")
+    t0 = time.perf_counter()
+    model = build_model(args, device)
+    cfg = model.config
+    load_s = time.perf_counter() - t0
+    per_request = cdiv(context + args.new_tokens, cfg.block_size)
+    chunk = args.max_batch_tokens or min(8192, cdiv(context * args.batch, 8 * cfg.block_size) * cfg.block_size)
+    # no prefix caching: the timed run repeats the warm-up's prompts and must prefill them again
+    engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=chunk, prefix_caching=False)
+    quiet = model.tp.rank != 0  # under tensor parallelism rank 0 reports
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist() for _ in range(args.batch)]
+    sampling = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)  # exactly N tokens
+    if device.type == "cuda":  # Triton compiles a kernel per shape specialization on first use: warm up untimed
+        engine.generate(prompts, sampling=sampling)
+        engine.reset_stats()
+    for p in prompts:
+        engine.add_request(p, sampling=sampling)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # one bar per phase, so each shows its own rate (a step with a prefill chunk counts as prefill)
+    prefill_bar = tqdm(total=args.batch * context, unit="tok", desc="prefill", disable=quiet)
+    decode_bar = None
+    prefill_s = decode_s = 0.0
+    decode_tokens = 0
+    while engine.has_work():
+        tokens, chunks = engine.stats.tokens, engine.stats.prefill_chunks
+        sync()
+        t = time.perf_counter()
+        produced = engine.step()
+        sync()
+        dt = time.perf_counter() - t
+        if engine.stats.prefill_chunks > chunks:
+            prefill_s += dt
+            prefill_bar.update(engine.stats.tokens - tokens)
+        else:
+            if decode_bar is None:
+                prefill_bar.close()
+                decode_bar = tqdm(total=args.batch * (args.new_tokens - 1), unit="tok", desc="decode", disable=quiet)
+            decode_s += dt
+            decode_tokens += sum(len(v) for v in produced.values())
+            decode_bar.update(sum(len(v) for v in produced.values()))
+    prefill_bar.close()
+    if decode_bar is not None:
+        decode_bar.close()
+    prefill_tokens = args.batch * context
+    dsa_bytes = bytes_per_token(cfg, model.dtype)
+    dense_bytes = bytes_per_token(cfg.replace(index_topk=None), model.dtype)
+    result = {
+        "env": env_info(),
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "model": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
+                  "index_heads": cfg.index_n_heads, "index_topk": cfg.index_topk, "dtype": str(model.dtype),
+                  "latent_cache": latent_format(cfg, model.dtype), "checkpoint": args.checkpoint},
+        "batch": args.batch, "context": context, "new_tokens": args.new_tokens, "max_batch_tokens": chunk,
+        "load_s": load_s,
+        "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
+        "cache_bytes_per_token_dsa": dsa_bytes, "cache_bytes_per_token_dense_mla": dense_bytes,
+        "indexer_layers": len(indexer_layers(cfg)), "layers": cfg.num_hidden_layers,
+        "rows": engine.stats.rows, "prefill_chunks": engine.stats.prefill_chunks, "tp_size": model.tp.size,
+        "graph_steps": engine.stats.graph_steps,
+    }
+    if quiet:
+        return 0
+    print(f"device {result['device']}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}, {model.dtype}"
+          + (f", tensor parallel over {model.tp.size} ranks" if model.tp.size > 1 else ""))
+    print(f"prefill: {prefill_tokens} tokens in {prefill_s:.2f} s = {result['prefill_tokens_per_s']:.0f} tokens/s")
+    if decode_s:
+        graphs = engine.stats.graph_steps
+        print(f"decode:  {decode_tokens} tokens in {decode_s:.2f} s = {result['decode_tokens_per_s']:.1f} tokens/s"
+              + (f" ({graphs} steps replayed from CUDA graphs)" if graphs else ""))
+    print(f"cache bytes per token: {dsa_bytes} with DSA vs {dense_bytes} for dense MLA "
+          f"(+{100 * (dsa_bytes - dense_bytes) / dense_bytes:.1f}% for the indexer keys)")
+    print(f"layers running the indexer: {result['indexer_layers']} of {cfg.num_hidden_layers}")
+    print("rows served: " + ", ".join(f"{k} {v}" for k, v in engine.stats.rows.items() if v))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,23 @@
+"""Command-line options shared by ``dsa generate`` and ``dsa serve``: which model, where, how much cache."""
+
+
+def add_model_arguments(p) -> None:
+    p.add_argument("--checkpoint", help="a HF checkpoint folder with tokenizer.json (default: the embedded "
+                   "random-weight model with the byte-level tokenizer)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--num-blocks", type=int, help="cache blocks (default: 80%% of free GPU memory; on CPU one "
+                   "request of max_position_embeddings tokens)")
+    p.add_argument("--max-batch-tokens", type=int, default=8192, help="rows per step (default: %(default)s)")
+
+
+def llm_from_args(args):
+    import torch
+
+    from dsa.serve.llm import LLM
+
+    options = {"max_batch_tokens": args.max_batch_tokens}
+    if args.num_blocks is not None:
+        options["num_blocks"] = args.num_blocks
+    return LLM(args.checkpoint, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+               **options)

@@ -1,0 +1,347 @@
+"""Engine: the long-context inference API, batching requests over shared paged caches.
+
+Three small objects (as nano-vllm splits them): the :class:`~dsa.engine.scheduler.Scheduler` (waiting and
+running requests, their blocks, which rows each step serves), the :class:`~dsa.engine.runner.ModelRunner`
+(the caches; plans a step and runs it, replaying a CUDA graph for decode-only steps) and the
+:class:`~dsa.engine.sampling.Sampler` (one batched operation over the step's logits, outside the graph).
+With a tokenizer, each request's text is detokenized incrementally and checked for stop strings
+(:mod:`dsa.engine.output`).
+
+Batch invariance: every op a row goes through depends on that row alone (the top-k's tie rule
+gives the lowest positions at the k-th value, whatever the row's padding or batch; a decode row's
+kernel depends on the model, not on the batch; the sampling noise is a hash of the request's seed
+and the token's position), so in float32 a request's tokens are the same alone, in any batch, in
+any order and at any chunk size, up to floating-point near-ties of the projections (batched and
+single-row matmuls differ by ~1e-5).
+
+Threads: one re-entrant lock (``engine.lock``) is held by ``add_request``, ``abort`` and ``step``.
+Any thread may call them; a thread inside ``stream`` or ``generate`` steps the engine for every
+request and takes its own requests' deltas from its own queue, so two threads generating on one
+engine each get their own tokens. (A server that must not wait on steps runs the engine in one
+loop thread fed by a queue instead: ``dsa serve``.)
+"""
+import collections
+import itertools
+import random
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dsa.kernels.common import check_int
+
+from dsa.config import bytes_per_token
+from dsa.engine.blocks import PrefixStats
+from dsa.engine.output import Delta, TextOutput
+from dsa.engine.runner import ModelRunner
+from dsa.engine.sampling import SamplingParams, Sampler
+from dsa.engine.scheduler import Request, Scheduler
+from dsa.model.plan import PATHS
+
+
+@dataclass
+class EngineStats:
+    """What the engine has done since it started (or since :meth:`Engine.reset_stats`)."""
+    rows: dict = field(default_factory=lambda: dict.fromkeys(PATHS, 0))  # rows per path, named by the kernels run
+    prefill_chunks: int = 0  # prefill chunks (a prompt longer than max_batch_tokens takes several)
+    peak_workspace_bytes: int = 0  # the largest MHA workspace a step needed
+    steps: int = 0
+    graph_steps: int = 0  # steps replayed from a CUDA graph
+    tokens: int = 0  # rows computed (prompt and generated tokens)
+    generated_tokens: int = 0
+    blocks_in_use: int = 0  # cache blocks held by requests now
+    prefix: PrefixStats = field(default_factory=PrefixStats)  # the prefix cache's counters now
+
+
+class Engine:
+    """Batches requests over one pool of paged caches (``num_blocks`` blocks, or as many as
+    ``memory_bytes`` holds), ``max_batch_tokens`` rows per step (long prompts are prefilled in
+    chunks). ``cuda_graphs``: replay decode-only steps from CUDA graphs (None: whenever the model
+    allows, i.e. on CUDA without MoE layers; False: always eager). ``prefix_caching``: reuse the
+    cached blocks of a prompt's prefix (both caches of every layer) and keep finished requests'
+    blocks cached until the pool needs them. ``tokenizer``: makes deltas carry text and enables
+    stop strings; its EOS joins the config's ``eos_token_id``.
+
+    Requests: :meth:`add_request` (token ids + :class:`~dsa.engine.sampling.SamplingParams`, or the
+    ``max_new_tokens`` shorthand: greedy), :meth:`abort`, :meth:`step`; :meth:`stream` and
+    :meth:`generate` add prompts and drive steps until they finish. Thread-safe (module docstring).
+    """
+
+    def __init__(self, model, num_blocks: int | None = None, memory_bytes: int | None = None,
+                 max_batch_tokens: int = 8192, cuda_graphs: bool | None = None, prefix_caching: bool = True,
+                 tokenizer=None):
+        if (num_blocks is None) == (memory_bytes is None):
+            raise ValueError("num_blocks / memory_bytes: give exactly one of them")
+        max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, minimum=1)
+        self.model = model
+        self.config = c = model.config
+        if num_blocks is None:
+            num_blocks = int(memory_bytes) // (bytes_per_token(c, model.dtype) * c.block_size)
+        num_blocks = check_int("num_blocks", num_blocks, minimum=1)
+        self.num_blocks = num_blocks
+        namespace = repr((c, str(model.dtype)))  # what changes a block's content besides its tokens
+        self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens, prefix_caching=prefix_caching,
+                                   namespace=namespace)
+        self.runner = ModelRunner(model, num_blocks, cuda_graphs)
+        self.sampler = Sampler(c.vocab_size, model.device)
+        self.tokenizer = tokenizer
+        self.lock = threading.RLock()
+        self._ids = itertools.count()
+        self._requests: dict = {}  # rid -> Request, waiting or running
+        self._seed_base = self._shared_seed()  # unseeded requests' noise keys derive from it
+        eos = c.eos_token_id
+        self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos.add(tokenizer.eos_token_id)
+        self._stats = EngineStats()
+
+    def _shared_seed(self) -> int:
+        """A random 63-bit number, the same on every tensor-parallel rank: each rank runs this engine
+        on the same requests (SPMD) and must sample the same tokens, so rank 0's is broadcast once."""
+        seed = random.SystemRandom().getrandbits(63)
+        tp = getattr(self.model, "tp", None)
+        if tp is not None and tp.size > 1:
+            import torch.distributed as dist
+            t = torch.tensor([seed], dtype=torch.int64, device=self.model.device)
+            dist.broadcast(t, src=0 if tp.group is None else dist.get_global_rank(tp.group, 0), group=tp.group)
+            seed = int(t.item())
+        return seed
+
+    def __getstate__(self):  # copy.deepcopy, pickle: a lock is not state
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, lock=threading.RLock())
+
+    # ---- state the tests and tools look at ------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.blocks_in_use, s.prefix = self.scheduler.blocks.num_used, self.scheduler.blocks.stats
+        return s
+
+    def reset_stats(self) -> None:
+        """Zero the step counters (e.g. after an untimed warm-up); blocks and the prefix cache stay."""
+        self._stats = EngineStats()
+
+    @property
+    def caches(self):
+        return self.runner.caches
+
+    @property
+    def allocator(self):
+        """The block pool (``num_free``: blocks a new request can get, cached ones included)."""
+        return self.scheduler.blocks
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self):
+        return self.scheduler.running
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.scheduler.max_batch_tokens
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.config.block_size
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- requests --------------------------------------------------------------------------
+    def sampling_params(self, max_new_tokens: int | None = None, sampling: SamplingParams | None = None):
+        """``sampling``, or greedy ``SamplingParams(max_tokens=max_new_tokens, temperature=0)``;
+        both given must agree on the length."""
+        if sampling is None:
+            if max_new_tokens is None:
+                raise ValueError("max_new_tokens / sampling: give one of them")
+            max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
+            return SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling: expected dsa.SamplingParams, got {type(sampling).__name__}")
+        if max_new_tokens is not None and max_new_tokens != sampling.max_tokens:
+            raise ValueError(f"max_new_tokens: {max_new_tokens!r} disagrees with sampling.max_tokens "
+                             f"{sampling.max_tokens}; give the limit once")
+        return sampling
+
+    def check_request(self, prompt_ids, sampling: SamplingParams) -> list:
+        """The prompt as a list of ints after the checks :meth:`add_request` makes (no state is
+        touched): ValueError when the request could never run, naming the limit."""
+        vocab = self.config.vocab_size
+        prompt = token_ids(prompt_ids, vocab)
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer (Engine(..., tokenizer=...), or dsa.LLM)")
+        if any(t >= vocab for t in sampling.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if sampling.logprobs is not None and sampling.logprobs > vocab:
+            raise ValueError(f"logprobs: at most the vocabulary size {vocab}, got {sampling.logprobs}")
+        total = len(prompt) + sampling.max_tokens
+        if total > self.config.max_position_embeddings:
+            raise ValueError(f"prompt_ids: {len(prompt)} + max_new_tokens {sampling.max_tokens} = {total} tokens "
+                             f"exceed max_position_embeddings {self.config.max_position_embeddings}")
+        blocks = self.scheduler.blocks_for(total)
+        if blocks > self.num_blocks:
+            raise ValueError(f"prompt_ids: {total} tokens need {blocks} blocks; the engine holds "
+                             f"{self.num_blocks} ({self.capacity_tokens} tokens)")
+        return prompt
+
+    def add_request(self, prompt_ids, max_new_tokens: int | None = None, *, sampling: SamplingParams | None = None,
+                    on_output=None) -> int:
+        """Queue a prompt (token ids); returns its request id. Raises ValueError if it can never fit.
+
+        ``on_output(delta)``: called with each :class:`~dsa.engine.output.Delta` of this request, under the
+        engine lock, by the thread that runs the step (keep it short: e.g. put it in a queue).
+        """
+        sp = self.sampling_params(max_new_tokens, sampling)
+        prompt = self.check_request(prompt_ids, sp)
+        text = None if self.tokenizer is None else TextOutput(self.tokenizer, prompt, sp.stop)
+        with self.lock:
+            rid = next(self._ids)
+            seed = (self._seed_base + rid * 0x9E3779B97F4A7C15) % (1 << 64) if sp.seed is None else sp.seed
+            req = Request(rid, prompt, len(prompt), sp.max_tokens, sampling=sp, seed=seed, text=text,
+                          on_output=on_output)
+            self.scheduler.add(req)
+            self._requests[req.rid] = req
+        return req.rid
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a waiting or running request and free its blocks now; its reader gets a last delta
+        with ``finish_reason="abort"``. False when the request is unknown or already finished."""
+        with self.lock:
+            req = self._requests.pop(request_id, None)
+            if req is None:
+                return False
+            self.scheduler.remove(req)
+            self._deliver(req, [], None, "abort")
+            return True
+
+    def step(self) -> dict:
+        """Run one batch; returns ``{request id: [tokens produced this step]}``."""
+        return self._step()[1]
+
+    def _step(self) -> tuple:
+        """``(whether anything was scheduled, {request id: [tokens]})``."""
+        with self.lock:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return False, {}
+            result = self.runner.run(batch)
+            reqs = [r for r, _ in batch]
+            tokens, logprobs = self.sampler(result.logits, [r.sampling for r in reqs], [r.seed for r in reqs],
+                                            [len(r.tokens) for r in reqs])
+            produced = {}
+            for (req, n), tok, lp in zip(batch, tokens, logprobs):
+                self.scheduler.advance(req, n)
+                if req.computed < len(req.tokens):
+                    continue  # a prefill chunk that did not reach the end of the prompt
+                req.tokens.append(tok)
+                produced[req.rid] = [tok]
+                self._advance(req, tok, lp)
+            s = self._stats
+            for path, rows in result.rows.items():
+                s.rows[path] += rows
+            s.prefill_chunks += sum(1 for r, n in batch if r.computed - n < r.prompt_len)
+            s.peak_workspace_bytes = max(s.peak_workspace_bytes, result.workspace_bytes)
+            s.steps += 1
+            s.graph_steps += result.graph
+            s.tokens += sum(n for _, n in batch)
+            s.generated_tokens += len(produced)
+            return True, produced
+
+    def _advance(self, req: Request, tok: int, logprob) -> None:
+        """A request's new token: decide whether it finished, then tell its reader."""
+        sp = req.sampling
+        reason = None
+        if tok in sp.stop_token_ids or (tok in self.eos and not sp.ignore_eos):
+            reason = "stop"  # the stop token's text is not part of the output
+        elif req.text is not None and req.text.append(tok):
+            reason = "stop"  # a stop string: the text ends before it
+        elif len(req.generated) >= req.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(req)
+            del self._requests[req.rid]
+            if req.text is not None:
+                req.text.finish()
+        self._deliver(req, [tok], None if logprob is None else [logprob], reason)
+
+    def _deliver(self, req: Request, tokens: list, logprobs, reason) -> None:
+        if req.on_output is not None:
+            text = None if req.text is None else req.text.release(final=reason is not None)
+            req.on_output(Delta(req.rid, tokens, text, reason, logprobs))
+
+    def stream(self, prompts, max_new_tokens: int | None = None, *, sampling=None):
+        """Add ``prompts`` (token id lists) and yield each request's :class:`~dsa.engine.output.Delta` s as
+        steps produce them, until all finish; ``delta.index`` is the prompt's position in
+        ``prompts``. ``sampling``: one SamplingParams for all, or one per prompt (None: greedy with
+        ``max_new_tokens``). Leaving the loop early (break, an exception) aborts the unfinished
+        requests; so does an error while adding them."""
+        prompts = list(prompts)
+        samplings = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(samplings) != len(prompts):
+            raise ValueError(f"sampling: expected one per prompt ({len(prompts)}), got {len(samplings)}")
+        deltas = collections.deque()  # appended under the lock by whichever thread steps
+        index, live = {}, set()
+        try:
+            with self.lock:
+                for i, (p, sp) in enumerate(zip(prompts, samplings)):
+                    rid = self.add_request(p, max_new_tokens, sampling=sp, on_output=deltas.append)
+                    index[rid] = i
+                    live.add(rid)
+            while live:
+                while deltas:
+                    d = deltas.popleft()
+                    d.index = index[d.request_id]
+                    if d.finished:
+                        live.discard(d.request_id)
+                    yield d
+                if live:
+                    with self.lock:
+                        if not deltas and not self._step()[0]:
+                            raise RuntimeError("engine: requests are waiting but none can be scheduled")
+        finally:
+            if live:
+                with self.lock:
+                    for rid in live:
+                        self.abort(rid)
+
+    def generate(self, prompts, max_new_tokens: int | None = None, *, sampling=None) -> list:
+        """Completions (generated token ids only) of each prompt, in order; greedy unless ``sampling``
+        says otherwise. A generate that raises leaves none of its requests behind."""
+        prompts = list(prompts)
+        out = [[] for _ in prompts]
+        for d in self.stream(prompts, max_new_tokens, sampling=sampling):
+            out[d.index].extend(d.token_ids)
+        return out
+
+
+def token_ids(prompt_ids, vocab_size: int) -> list:
+    """A prompt as a list of ints in ``[0, vocab_size)``, at least one; ``TypeError`` for floats and
+    bools (a float tensor too), ``ValueError`` for an empty prompt or ids out of range. Checked as
+    one array (a 128K-token prompt in milliseconds)."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dtype == torch.bool or prompt_ids.is_floating_point() or prompt_ids.is_complex():
+            raise TypeError(f"prompt_ids: expected integer token ids, got a {prompt_ids.dtype} tensor")
+        if prompt_ids.dim() != 1:
+            raise ValueError(f"prompt_ids: expected a 1-D tensor, got shape {list(prompt_ids.shape)}")
+        ids = prompt_ids.cpu().numpy()
+    elif isinstance(prompt_ids, (str, bytes)):
+        raise TypeError(f"prompt_ids: expected integer token ids, got {type(prompt_ids).__name__}")
+    else:
+        prompt_ids = list(prompt_ids)
+        ids = np.asarray(prompt_ids) if prompt_ids else np.zeros(0, np.int64)
+        if ids.dtype.kind not in "iu" or ids.ndim != 1 or any(type(t) is bool for t in prompt_ids):
+            # floats, bools (numpy would make ints of them), nested or mixed: name the first bad one
+            for t in prompt_ids:
+                check_int("prompt_ids", t)
+            raise TypeError("prompt_ids: expected a flat sequence of integer token ids")
+    if ids.size == 0:
+        raise ValueError("prompt_ids: expected at least one token")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"prompt_ids: token ids must be in [0, {vocab_size})")
+    return ids.tolist()

@@ -1,0 +1,125 @@
+"""ModelRunner: runs a scheduled step through the model, replaying a CUDA graph when it can.
+
+Prefill and mixed steps run eagerly. A decode-only step (every request one new token) is padded to
+a batch-size bucket (1, 2, 4, ..., 128; padding rows see nothing and write nowhere) and a context
+bucket (the paged-logits width and block-table width), and replays the graph captured for that
+bucket the first time it was used: the host packs the step's ints, copies them into the graph's
+buffer in one transfer and replays; the logits of the real rows come back. Replay gives bitwise
+the logits of the eager path run at the same padded shapes. Models with MoE layers run eagerly
+(their expert dispatch reads routing decisions on the host).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dsa.model.layers import MoE
+from dsa.model.plan import BatchPlan, HostPlan
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+CONTEXT_STEP = 4096  # context buckets: powers of two up to this, then its multiples
+
+
+def context_bucket(seq_len: int, block_size: int) -> int:
+    """The paged-logits width a graph is captured for: a power of two (>= 256) up to 4096, then
+    multiples of 4096; always a multiple of the block size."""
+    b = 256 if seq_len <= 256 else 1 << (seq_len - 1).bit_length()
+    if b > CONTEXT_STEP:
+        b = -(-seq_len // CONTEXT_STEP) * CONTEXT_STEP
+    return -(-b // block_size) * block_size
+
+
+def batch_bucket(rows: int) -> int | None:
+    return next((b for b in BATCH_BUCKETS if b >= rows), None)
+
+
+@dataclass
+class StepResult:
+    """One step's logits (one row per request, fp32) and what the plan says about it. Replayed
+    logits are a view of the graph's output: read them before the next step."""
+    logits: torch.Tensor  # [B, vocab] fp32
+    rows: dict  # rows served per path (dsa.model.plan.PATHS)
+    workspace_bytes: int  # the MHA workspace the step needed
+    graph: bool  # replayed from a CUDA graph
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    buf: torch.Tensor  # the int32 plan buffer the graph reads
+    spec: dict  # the plan layout it was captured with
+    logits: torch.Tensor  # [rows bucket, vocab] fp32, written by each replay
+
+
+class ModelRunner:
+    """Owns an engine's caches; plans each step and runs it (eagerly, or by graph replay)."""
+
+    def __init__(self, model, num_blocks: int, cuda_graphs: bool | None = None):
+        self.model = model
+        self.caches = model.allocate_caches(num_blocks)
+        possible = model.device.type == "cuda" and not any(isinstance(m, MoE) for m in model.modules())
+        if cuda_graphs and not possible:
+            raise ValueError("cuda_graphs: needs a model on a CUDA device without MoE layers (MoE dispatch reads "
+                             f"routing on the host); this model is on {model.device}")
+        self.use_graphs = possible if cuda_graphs is None else bool(cuda_graphs)
+        self.graphs: dict = {}  # (rows bucket, context bucket) -> _Graph
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    def run(self, batch: list) -> StepResult:
+        """``batch``: ``[(request, new rows)]``; the rows are ``request.tokens[computed : computed + n]``."""
+        q = [n for _, n in batch]
+        c = [r.computed for r, _ in batch]
+        tables = [r.block_array for r, _ in batch]
+        if all(n == 1 for n in q):
+            ids = np.fromiter((r.tokens[r.computed] for r, _ in batch), dtype=np.int32, count=len(batch))
+        else:
+            ids = np.concatenate([np.asarray(r.tokens[r.computed:r.computed + n], dtype=np.int32) for r, n in batch])
+        opts = self.model.plan_options()
+        if self.use_graphs and all(n == 1 for n in q) and batch_bucket(len(q)) is not None:
+            p = self.model.config.block_size
+            rows, ctx = batch_bucket(len(q)), context_bucket(max(c) + 1, p)
+            host = HostPlan.pack(q, c, tables, p, self.model.device, input_ids=ids, num_rows=rows, max_seq_len=ctx,
+                                 num_block_columns=ctx // p, **opts)
+            g = self.graphs.get((rows, ctx)) or self._capture(host, rows, ctx)
+            if host.spec != g.spec:
+                raise AssertionError("a graph bucket's plan layout changed")
+            host.upload(g.buf)
+            g.graph.replay()
+            return StepResult(g.logits[:len(q)], host.rows, 0, True)
+        plan = BatchPlan.build(q, c, tables, self.model.config.block_size, self.model.device, input_ids=ids, **opts)
+        logits = self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
+        return StepResult(logits, plan.rows, plan.workspace_bytes, False)
+
+    def _capture(self, host: HostPlan, rows: int, ctx: int) -> _Graph:
+        """Capture the model step for one bucket. The warm-up and the capture run this step's own
+        rows (writing the same cache rows the replay writes again)."""
+        model = self.model
+        buf = torch.zeros(host.packer.size, dtype=torch.int32, device=model.device)
+        host.upload(buf)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compiles kernels, settles allocations
+            model.step(host.derive(buf), self.caches)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = model.step(host.derive(buf), self.caches)
+        self.graphs[(rows, ctx)] = g = _Graph(graph, buf, host.spec, logits)
+        return g
+
+    def capture(self, context_len: int, batch_sizes=BATCH_BUCKETS) -> int:
+        """Capture up front the graphs of ``batch_sizes`` for contexts up to ``context_len`` (one
+        context bucket), with padding rows only (nothing is written). Returns the graphs captured."""
+        if not self.use_graphs:
+            raise ValueError("capture: this runner does not use CUDA graphs")
+        p = self.model.config.block_size
+        ctx, done = context_bucket(context_len, p), 0
+        for rows in sorted({batch_bucket(b) for b in batch_sizes}, reverse=True):  # largest first: the pool fits all
+            if (rows, ctx) in self.graphs:
+                continue
+            host = HostPlan.pack([], [], np.zeros((0, ctx // p), np.int32), p, self.model.device,
+                                 input_ids=np.zeros(0, np.int32), num_rows=rows, max_seq_len=ctx,
+                                 num_block_columns=ctx // p, **self.model.plan_options())
+            self._capture(host, rows, ctx)
+            done += 1
+        return done

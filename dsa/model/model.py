@@ -1,0 +1,238 @@
+"""DSAModel: embeddings, decoder layers (DSA attention + dense MLP or MoE), final norm, lm_head.
+
+A step runs the rows of a :class:`dsa.model.plan.BatchPlan` through every layer with a
+:class:`StepContext` (the plan, the caches, the RoPE tables, and the selection the last indexer
+layer made, which layers that skip the indexer reuse). Caches live outside the model
+(:class:`Caches`), so several engines can share one model and ``model(input_ids)`` uses its own.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsa.cache import IndexerKeyCache, LatentCache
+from dsa.indexer import Selection
+from dsa.kernels import rope_at, yarn_cos_sin
+
+from dsa.model.attention import DSAAttention
+from dsa.config import DSAConfig, latent_format
+from dsa.model.dispatch import load_dispatch
+from dsa.model.layers import MLP, MoE, RMSNorm, is_moe_layer
+from dsa.model.loading import match_state_dict, read_pretrained
+from dsa.model.parallel import TensorParallel, init_tensor_parallel
+from dsa.model.plan import BatchPlan
+
+FP32_PARAMS = (".mlp.gate.", ".indexer.weights_proj.")  # the router and the indexer head weights stay fp32
+
+
+def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if any(part in name for part in FP32_PARAMS) else dtype
+
+
+@dataclass
+class Caches:
+    """One engine's paged caches: per layer a latent cache and (layers that index) an indexer key
+    cache, all sharing one block numbering."""
+    latent: list  # LatentCache per layer
+    index: list  # IndexerKeyCache or None per layer
+    num_blocks: int
+
+    def __iter__(self):
+        return iter(zip(self.latent, self.index))
+
+
+@dataclass
+class StepContext:
+    """What every layer of one step reads: the plan, the caches, the rows' RoPE rotations
+    ``[T, D_R / 2]`` complex (computed once per step); ``selection`` is the top-k of the last layer
+    that ran its indexer."""
+    plan: BatchPlan
+    caches: Caches
+    rope: torch.Tensor
+    selection: Selection | None = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DSAConfig, layer_id: int, tp: TensorParallel = TensorParallel()):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DSAAttention(config, layer_id, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = (MoE(config, tp) if is_moe_layer(config, layer_id)
+                    else MLP(config.hidden_size, config.intermediate_size, tp))
+
+    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSAModel(nn.Module):
+    """A DeepSeek-V3.2 / GLM-MoE-DSA / DeepSeek-V3 causal LM over paged caches.
+
+    ``model(input_ids [B, S]) -> logits [B, S, vocab]`` (fp32) runs full sequences with
+    temporary caches; the :class:`dsa.Engine` drives :meth:`step` over persistent ones.
+    """
+
+    def __init__(self, config: DSAConfig, mha_workspace_bytes: int = 256 << 20, tp: TensorParallel = TensorParallel()):
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        self.mha_workspace_bytes = mha_workspace_bytes
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._rope = None
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def random(cls, config: DSAConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+               device=None, tp_size: int = 1, tp_check: bool = False) -> "DSAModel":
+        """Random weights drawn on the target device from ``seed``: normal(0, 0.02) for matrices and
+        embeddings, norms at 1, zero biases and router bias (HF's init). With ``tp_size > 1`` (one
+        process per rank, see :mod:`dsa.model.parallel`) every rank draws the whole model and keeps its
+        shard, so the weights do not depend on the rank count; ``tp_check`` compares every layer's
+        selection across the ranks each step (a debug check)."""
+        device = _default_device(device)
+        tp = init_tensor_parallel(tp_size, check_selection=tp_check)
+        if tp.size > 1:
+            full = cls.random(config, seed, dtype, device)
+            with torch.device("meta"):
+                model = cls(config, tp=tp)
+            model.load_state_dict(shard_state_dict(full.state_dict(), model, tp), strict=True, assign=True)
+            return model.finalize(dtype, device)
+        with torch.device(device):
+            model = cls(config)
+        g = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                    p.fill_(1.0)
+                elif p.dim() >= 2:
+                    p.normal_(0.0, 0.02, generator=g)
+                else:
+                    p.zero_()
+        return model.finalize(dtype, device)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype = torch.bfloat16, device=None, tp_size: int = 1,
+                        tp_check: bool = False, **overrides) -> "DSAModel":
+        """Load a HF checkpoint folder (``config.json`` + safetensors). :mod:`dsa.model.loading` reads and checks
+        the config and tensors (errors name the file and tensor); the model is built here. With
+        ``tp_size > 1`` (one process per rank, see :mod:`dsa.model.parallel`) each rank reads only its shard."""
+        tp = init_tensor_parallel(tp_size, check_selection=tp_check)
+        config, tensors = read_pretrained(path, overrides, tp)
+        with torch.device("meta"):
+            model = cls(config, tp=tp)
+        state = match_state_dict(tensors, {k: v.shape for k, v in model.state_dict().items()}, path)
+        model.load_state_dict({k: t.to(param_dtype(k, dtype)) for k, t in state.items()}, strict=True, assign=True)
+        return model.finalize(dtype, _default_device(device))
+
+    def finalize(self, dtype: torch.dtype, device) -> "DSAModel":
+        """Cast, move, absorb ``kv_b_proj``, pick the dispatch thresholds; call once after loading."""
+        for name, p in self.named_parameters():
+            p.data = p.data.to(device=device, dtype=param_dtype(name, dtype))
+        for layer in self.layers:
+            layer.self_attn.absorb()
+        self.eval().requires_grad_(False)
+        self.dispatch = load_dispatch(self.config, torch.device(device), self.mha_workspace_bytes)
+        return self
+
+    # ---- properties ------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def latent_format(self) -> str:
+        return latent_format(self.config, self.dtype)
+
+    def allocate_caches(self, num_blocks: int) -> Caches:
+        """Per layer a ``LatentCache`` and (layers that index) an ``IndexerKeyCache`` of ``num_blocks``."""
+        c, latent, index = self.config, [], []
+        for layer in self.layers:
+            latent.append(LatentCache(num_blocks, c.block_size, format=self.latent_format(), device=self.device))
+            exact = c.indexer_precision == "exact"
+            index.append(IndexerKeyCache(num_blocks, c.block_size, precision=c.indexer_precision,
+                                         dtype=self.dtype if exact else None, device=self.device,
+                                         head_dim=c.index_head_dim) if layer.self_attn.runs_indexer else None)
+        return Caches(latent, index, num_blocks)
+
+    def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin) [max_position_embeddings, D_R / 2]`` fp32, built once: a CUDA graph keeps
+        their addresses."""
+        if self._rope is None:
+            c = self.config
+            cos, sin = yarn_cos_sin(c.max_position_embeddings, c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
+            self._rope = (cos.to(self.device), sin.to(self.device))
+        return self._rope
+
+    def rope_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Per-token RoPE rotations ``[T, D_R / 2]`` complex for ``positions [T]``."""
+        return rope_at(positions, *self.rope_tables())
+
+    def plan_options(self) -> dict:
+        """The model's keywords for :meth:`BatchPlan.build` / ``HostPlan.pack``."""
+        c = self.config
+        kv_bytes = (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim + 2 * c.qk_head_dim)
+                    * self.embed_tokens.weight.element_size())  # up-projected K/V per context token (MHA path)
+        return dict(index_topk=c.index_topk, dispatch=self.dispatch, mha_kv_bytes_per_token=kv_bytes)
+
+    def plan(self, query_lens, context_lens, block_tables, input_ids=None) -> BatchPlan:
+        return BatchPlan.build(query_lens, context_lens, block_tables, self.config.block_size, self.device,
+                               input_ids=input_ids, **self.plan_options())
+
+    # ---- running -------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, plan: BatchPlan, caches: Caches, input_ids: torch.Tensor | None = None,
+             logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the plan's rows through every layer, writing the caches; no host sync.
+
+        Args:
+            plan: the step; caches: the engine's (or temporary) caches.
+            input_ids: ``[T]`` token ids (default: ``plan.input_ids``).
+            logits_rows: rows whose logits to return (default: every row).
+
+        Returns:
+            ``[R, vocab]`` fp32 logits.
+        """
+        step = StepContext(plan, caches, self.rope_at(plan.positions))
+        x = self.embed_tokens(plan.input_ids if input_ids is None else input_ids.to(self.device))
+        for layer in self.layers:
+            x = layer(x, step)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return self.lm_head(self.norm(x)).float()
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [B, S]`` -> fp32 ``logits [B, S, vocab]``, full sequences, temporary caches."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected [B, S], got {list(input_ids.shape)}")
+        b, s = input_ids.shape
+        if b * s == 0:
+            return torch.zeros(b, s, self.config.vocab_size, device=self.device)
+        per = -(-s // self.config.block_size)
+        caches = self.allocate_caches(b * per)
+        table = torch.arange(b * per, dtype=torch.int32).view(b, per)
+        plan = self.plan([s] * b, [0] * b, table, input_ids=input_ids.reshape(-1))
+        return self.step(plan, caches).view(b, s, -1)
+
+
+def shard_state_dict(full: dict, model: "DSAModel", tp: TensorParallel) -> dict:
+    """The tensors of ``full`` (an unsharded state dict) that ``model`` (built with ``tp``) holds,
+    sliced to this rank's shard."""
+    out = {}
+    for name in model.state_dict():
+        index = tp.shard(name, tuple(full[name].shape), model.config)
+        out[name] = full[name] if index is None else full[name][index].contiguous()
+    return out
+
+
+def _default_device(device):
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)

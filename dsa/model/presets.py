@@ -1,0 +1,42 @@
+"""Model presets: the embedded default model and the random-weight shapes the tools and benches use.
+
+``demo-cpu``: 2 layers with the V3.2 latent (512 + 64) and indexer (64 heads x 128) shapes, hidden
+1024, 16 heads, dense MLP, ``index_topk=512``, so sparse attention runs at a 4K context.
+``demo-gpu``: 4 layers with full V3.2 attention shapes (hidden 7168, 128 heads, 64 indexer heads,
+``index_topk=2048``). Both use the byte-level tokenizer's vocabulary (bytes 0-255, BOS 256, EOS 257;
+:mod:`dsa.serve.tokenizer`). ``tiny`` and ``glm-skip-small`` are test and recall shapes.
+"""
+import torch
+
+from dsa.config import DSAConfig
+
+# The byte-level tokenizer's ids: bytes 0-255, then BOS and EOS.
+BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
+BYTE_VOCAB_SIZE = 258
+BYTE_VOCAB = dict(vocab_size=BYTE_VOCAB_SIZE, bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID)
+
+CPU_DEFAULT = dict(num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, q_lora_rank=512,
+                   intermediate_size=2048, n_routed_experts=None, index_topk=512, max_position_embeddings=16384,
+                   block_size=64, **BYTE_VOCAB)
+GPU_DEFAULT = dict(num_hidden_layers=4, n_routed_experts=None, index_topk=2048, max_position_embeddings=163840,
+                   block_size=64, **BYTE_VOCAB)
+
+PRESETS = {  # name -> a config factory
+    "tiny": lambda: DSAConfig.tiny(index_topk=64, index_topk_pattern="FSFS"),
+    "demo-cpu": lambda: DSAConfig.deepseek_v32(**CPU_DEFAULT),
+    "demo-gpu": lambda: DSAConfig.deepseek_v32(**GPU_DEFAULT),
+    "glm-skip-small": lambda: DSAConfig.glm_5_2_skip(num_hidden_layers=8, hidden_size=1024, num_attention_heads=16,
+                                                     q_lora_rank=512, intermediate_size=2048, n_routed_experts=None,
+                                                     vocab_size=8192, index_topk=512),
+}
+
+
+def default_model(device, dtype: torch.dtype | None = None, seed: int = 0, tp_size: int = 1):
+    """The embedded default model: random weights (seed ``seed``), the ``demo-gpu`` shapes on CUDA
+    (bf16), else the ``demo-cpu`` ones (fp32)."""
+    from dsa.model import DSAModel
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    config = PRESETS["demo-gpu" if cuda else "demo-cpu"]()
+    return DSAModel.random(config, seed=seed, dtype=dtype or (torch.bfloat16 if cuda else torch.float32), device=device,
+                           tp_size=tp_size)

@@ -1,0 +1,2 @@
+"""Selection-quality research: a GGUF teacher (:mod:`.teacher`), corpora, selection rules and
+metrics (:mod:`.selection`), indexer fitting (:mod:`.fit`), recall and sparse-loss measurements."""

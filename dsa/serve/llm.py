@@ -1,0 +1,134 @@
+"""``dsa.LLM``: text in, text out, on a checkpoint folder or the embedded default model.
+
+    llm = dsa.LLM("path/to/checkpoint")                  # or dsa.LLM(): random weights, byte tokenizer
+    out = llm.generate(["The capital of France is"], dsa.SamplingParams(max_tokens=32, temperature=0))
+    out[0].text, out[0].token_ids, out[0].finish_reason  # "stop" or "length"
+    llm.chat([{"role": "user", "content": "Hi"}])         # the checkpoint's chat template
+"""
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from dsa.engine import Engine, SamplingParams
+from dsa.kernels.common import cdiv
+from dsa.serve.tokenizer import ByteTokenizer, Tokenizer
+
+
+@dataclass
+class Completion:
+    """One prompt's result: the generated text (None without a tokenizer) and token ids, why it
+    ended ("stop": EOS, a stop token or a stop string; "length": max_tokens; "abort"), the
+    logprobs (a :class:`~dsa.engine.sampling.Logprob` per token, when asked for) and the prompt's ids."""
+    text: str | None
+    token_ids: list = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list | None = None
+    prompt_token_ids: list = field(default_factory=list)
+
+
+def default_cache_blocks(model) -> dict:
+    """The cache pool when none is given: on CUDA 80% of the memory free after loading; elsewhere
+    room for one request of ``max_position_embeddings`` tokens."""
+    c = model.config
+    if model.device.type == "cuda":
+        return {"memory_bytes": int(0.8 * torch.cuda.mem_get_info(model.device)[0])}
+    return {"num_blocks": cdiv(c.max_position_embeddings, c.block_size)}
+
+
+class LLM:
+    """Generation with a tokenizer on one :class:`~dsa.engine.engine.Engine`.
+
+    ``checkpoint``: a HF folder (weights, ``config.json``, ``tokenizer.json``); None: the embedded
+    default model (random weights, seed ``seed``) with the byte-level tokenizer. ``tokenizer``: a
+    folder or tokenizer object to use instead. ``dtype``/``device``: default bf16 on CUDA, fp32 on
+    CPU. ``engine_options``: :class:`~dsa.engine.engine.Engine` arguments (``num_blocks`` or
+    ``memory_bytes``, ``max_batch_tokens``, ``cuda_graphs``). Thread-safe like the engine.
+    """
+
+    def __init__(self, checkpoint=None, *, tokenizer=None, dtype: torch.dtype | None = None, device=None,
+                 seed: int = 0, **engine_options):
+        from dsa.model import DSAModel
+        from dsa.model.presets import default_model
+
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if checkpoint is not None:
+            dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+            model = DSAModel.from_pretrained(checkpoint, dtype=dtype, device=device)
+        else:
+            model = default_model(device, dtype, seed)
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = Tokenizer.from_pretrained(tokenizer)
+        elif tokenizer is None and checkpoint is None:
+            tokenizer = ByteTokenizer()
+        elif tokenizer is None and os.path.exists(os.path.join(os.fspath(checkpoint), "tokenizer.json")):
+            tokenizer = Tokenizer.from_pretrained(checkpoint)
+        self._attach(model, tokenizer, engine_options)
+        self.checkpoint = checkpoint
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, **engine_options) -> "LLM":
+        """An LLM over a model already built (e.g. ``DSAModel.random``) and a tokenizer object."""
+        llm = cls.__new__(cls)
+        llm._attach(model, tokenizer, engine_options)
+        llm.checkpoint = None
+        return llm
+
+    def _attach(self, model, tokenizer, engine_options: dict) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        if "num_blocks" not in engine_options and "memory_bytes" not in engine_options:
+            engine_options = {**engine_options, **default_cache_blocks(model)}
+        self.engine = Engine(model, tokenizer=tokenizer, **engine_options)
+
+    def encode(self, prompt) -> list:
+        """Token ids of a prompt: a string (through the tokenizer) or a list of token ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompts: this checkpoint has no tokenizer.json; pass token ids "
+                                 "(or LLM(..., tokenizer=DIR))")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise TypeError(f"prompts: expected strings or lists of token ids, got {prompt!r:.80}")
+        return list(prompt)
+
+    def chat_ids(self, messages, **template_vars) -> list:
+        """Token ids of one conversation rendered by the tokenizer's chat template (with the
+        assistant's generation prompt)."""
+        if self.tokenizer is None:
+            raise ValueError("chat: this checkpoint has no tokenizer.json")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_vars)
+
+    def generate(self, prompts, sampling: SamplingParams | list | None = None) -> list:
+        """``prompts``: a string, or a list of strings or of token id lists; ``sampling``: one for all,
+        one per prompt, or None (``SamplingParams()``). Returns a :class:`Completion` per prompt."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return self._complete([self.encode(p) for p in prompts], sampling)
+
+    def chat(self, messages, sampling: SamplingParams | list | None = None, **template_vars) -> list:
+        """``messages``: one conversation (dicts with ``role`` and ``content``) or a list of them.
+        Returns a :class:`Completion` per conversation. ``template_vars`` reach the template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self._complete([self.chat_ids(m, **template_vars) for m in conversations], sampling)
+
+    def stream(self, prompts, sampling: SamplingParams | list | None = None):
+        """Like :meth:`generate`, yielding each prompt's :class:`~dsa.engine.output.Delta` s as they come
+        (``delta.index``: the prompt; ``delta.text``: its new text)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        ids = [self.encode(p) for p in prompts]
+        yield from self.engine.stream(ids, sampling=SamplingParams() if sampling is None else sampling)
+
+    def _complete(self, ids: list, sampling) -> list:
+        outs = [Completion(None if self.tokenizer is None else "", prompt_token_ids=p) for p in ids]
+        for d in self.engine.stream(ids, sampling=SamplingParams() if sampling is None else sampling):
+            c = outs[d.index]
+            c.token_ids.extend(d.token_ids)
+            if d.text:
+                c.text += d.text
+            if d.logprobs is not None:
+                c.logprobs = (c.logprobs or []) + d.logprobs
+            c.finish_reason = d.finish_reason
+        return outs

@@ -1,0 +1,432 @@
+"""An OpenAI-compatible HTTP API over an :class:`~dsa.serve.engine_loop.EngineLoop` (FastAPI).
+
+Routes: ``GET /health`` (no key), ``GET /v1/models``, ``POST /v1/completions`` (a prompt as a
+string or token ids, or a list of them), ``POST /v1/chat/completions`` (the tokenizer's chat
+template), both streamed as server-sent events ending in ``data: [DONE]`` when ``stream`` is
+true, and ``GET /metrics`` (Prometheus text format). Sampling fields map to
+:class:`~dsa.engine.sampling.SamplingParams`. Errors are ``{"error": {"message", "type", "param",
+"code"}}``: 400 for malformed JSON, wrong types, out-of-range values and requests that can never
+fit (naming the limit), 401 on ``/v1`` routes without the right key (when one is set), 404 for an
+unknown model or route. A client that disconnects aborts its requests, which frees their blocks.
+"""
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dsa.serve.chat_template import ChatTemplateError
+from dsa.serve.engine_loop import EngineLoop, Submission
+from dsa.model.plan import PATHS
+from dsa.engine.sampling import SamplingParams
+
+log = logging.getLogger("dsa.serve")
+CHAT_DEFAULT_MAX_TOKENS = 256  # chat without max_tokens: this many, or what is left of the context
+
+
+# ---- requests ----------------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampled(_Body):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Sampled):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # name, tool_calls, ...: passed to the template
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatRequest(_Sampled):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.code, self.type)
+
+
+def error_response(status: int, message: str, param=None, code=None, type="invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}}, status_code=status)
+
+
+def _sampling(body: _Sampled, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    if body.n != 1:
+        raise APIError(400, f"n: only n=1 is supported, got {body.n}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise APIError(400, f"{name}: not supported (give 0)", name)
+    given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids")
+             if getattr(body, k) is not None}
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=body.ignore_eos, **given)
+    except ValueError as e:
+        raise APIError(400, str(e), str(e).split(":")[0]) from None
+
+
+class _Server:
+    """The handlers' shared state: the LLM (tokenizer, engine limits), its loop, the served name."""
+
+    def __init__(self, llm, loop: EngineLoop, model_name: str):
+        self.llm, self.loop, self.model_name = llm, loop, model_name
+        self.created = int(time.time())
+        engine = llm.engine
+        self.limit = min(engine.config.max_position_embeddings, engine.capacity_tokens)
+        self.limit_name = ("max_position_embeddings" if self.limit == engine.config.max_position_embeddings
+                           else f"the cache pool ({engine.num_blocks} blocks of {engine.config.block_size})")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model: {model!r} does not exist; this server serves {self.model_name!r}", "model",
+                           "model_not_found")
+
+    def check_fits(self, ids: list, max_tokens: int) -> None:
+        total = len(ids) + max_tokens
+        if total > self.limit:
+            param = "prompt" if len(ids) >= self.limit else "max_tokens"
+            raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens exceed the "
+                           f"limit of {self.limit} tokens ({self.limit_name})", param)
+
+    def check(self, ids: list, sampling: SamplingParams) -> list:
+        self.check_fits(ids, sampling.max_tokens)
+        try:
+            return self.llm.engine.check_request(ids, sampling)
+        except ValueError as e:
+            raise APIError(400, str(e).replace("prompt_ids", "prompt"), "prompt") from None
+
+    def encode(self, prompt) -> list:
+        try:
+            return self.llm.encode(prompt)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), "prompt") from None
+
+    def token_text(self, token_id: int) -> str:
+        tok = self.llm.tokenizer
+        return str(token_id) if tok is None else tok.token_text(token_id)
+
+    def prepare(self, prompts: list, sampling: SamplingParams) -> tuple:
+        """Submissions sharing one delta queue (submitted by :meth:`start`)."""
+        deltas = asyncio.Queue()
+        return [Submission(ids, sampling, deltas, i) for i, ids in enumerate(prompts)], deltas
+
+    def start(self, subs: list) -> None:
+        for s in subs:
+            self.loop.submit(s)
+
+    def abort_unfinished(self, subs: list) -> None:
+        for s in subs:
+            if not s.finished:
+                self.loop.abort(s)
+
+
+async def _deltas(request: Request, subs: list, queue: asyncio.Queue, watch_disconnect: bool):
+    """Each delta of ``subs`` as it arrives, until all finished. Raises APIError(500) when the
+    engine failed a request; with ``watch_disconnect`` ends quietly when the client went away."""
+    left = len(subs)
+    while left:
+        try:
+            delta = await asyncio.wait_for(queue.get(), timeout=1.0)
+        except asyncio.TimeoutError:
+            if watch_disconnect and await request.is_disconnected():
+                return
+            continue
+        sub = subs[delta.index]
+        if sub.error is not None:
+            raise APIError(500, sub.error, type="server_error")
+        if delta.finished:
+            left -= 1
+        yield delta
+
+
+def _sse(data) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app; the loop is started and stopped with the app's lifespan."""
+    server = _Server(llm, loop, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        log.info("serving %s", model_name)
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="dsa", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid" or not loc:  # unparsable, or not an object
+            return error_response(400, f"malformed JSON: expected a JSON object ({err.get('msg', 'invalid')})")
+        param = loc[0] if loc else None
+        return error_response(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), code=None,
+                              type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _crash(request, exc: Exception):
+        log.exception("request failed")
+        return error_response(500, f"internal error: {type(exc).__name__}", type="server_error")
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
+                                            "owned_by": "dsa", "max_model_len": server.limit}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(loop.metrics()), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo: not supported", "echo")
+        if body.max_tokens is None:
+            raise APIError(400, "max_tokens: expected an int", "max_tokens")
+        prompt = body.prompt
+        batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        sampling = _sampling(body, body.max_tokens, body.logprobs)
+        ids = [server.check(server.encode(p), sampling) for p in batch]
+        return await _respond(request, server, ids, sampling, body, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat(body: ChatRequest, request: Request):
+        server.check_model(body.model)
+        if llm.tokenizer is None:
+            raise APIError(400, "messages: this checkpoint has no tokenizer", "messages")
+        messages = [_message(m, i) for i, m in enumerate(body.messages)]
+        try:
+            ids = llm.chat_ids(messages)
+        except (ChatTemplateError, ValueError) as e:
+            raise APIError(400, str(e), "messages") from None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(CHAT_DEFAULT_MAX_TOKENS, server.limit - len(ids)))
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
+        sampling = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        ids = server.check(ids, sampling)
+        return await _respond(request, server, [ids], sampling, body, chat=True)
+
+    return app
+
+
+def _message(m: ChatMessage, i: int) -> dict:
+    out = m.model_dump(exclude_none=True)
+    if isinstance(m.content, list):  # content parts: text only
+        texts = []
+        for part in m.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages.{i}.content: only text parts are supported", f"messages.{i}.content")
+            texts.append(part["text"])
+        out["content"] = "\n".join(texts)
+    return out
+
+
+def _logprobs_completion(server: _Server, lps: list, offset: int) -> dict:
+    tokens = [server.token_text(lp.token_id) for lp in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{server.token_text(i): x for i, x in lp.top} for lp in lps], "text_offset": offsets}
+
+
+def _logprobs_chat(server: _Server, lps: list) -> dict:
+    def entry(i, x):
+        t = server.token_text(i)
+        return {"token": t, "logprob": x, "bytes": list(t.encode())}
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, x) for i, x in lp.top]}
+                        for lp in lps]}
+
+
+class _Call:
+    """One HTTP request's submissions and what its response is built from."""
+
+    def __init__(self, server: _Server, prompts: list, sampling: SamplingParams, body, chat: bool):
+        self.server, self.sampling, self.chat = server, sampling, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.t0 = time.perf_counter()
+        self.subs, self.queue = server.prepare(prompts, sampling)
+        self.counts = [0] * len(self.subs)  # completion tokens per choice
+        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
+        self.base = {"id": self.id, "object": "chat.completion" if chat else "text_completion",
+                     "created": int(time.time()), "model": server.model_name}
+
+    def usage(self) -> dict:
+        prompt, done = sum(len(s.prompt_ids) for s in self.subs), sum(self.counts)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    def logprobs(self, lps: list, offset: int = 0):
+        if self.sampling.logprobs is None:
+            return None
+        return _logprobs_chat(self.server, lps) if self.chat else _logprobs_completion(self.server, lps, offset)
+
+    def done(self, reasons: list) -> None:
+        log.info("%s prompt_tokens=%d completion_tokens=%d time=%.2fs finish=%s", self.id,
+                 self.usage()["prompt_tokens"], sum(self.counts), time.perf_counter() - self.t0, ",".join(reasons))
+
+
+async def _respond(request: Request, server: _Server, prompts: list, sampling: SamplingParams, body, chat: bool):
+    call = _Call(server, prompts, sampling, body, chat)
+    if body.stream:
+        return StreamingResponse(_events(request, call), media_type="text/event-stream")
+    texts, lps, reasons = [""] * len(prompts), [[] for _ in prompts], [None] * len(prompts)
+    server.start(call.subs)
+    try:
+        async for d in _deltas(request, call.subs, call.queue, watch_disconnect=True):
+            call.counts[d.index] += len(d.token_ids)
+            texts[d.index] += d.text or ""
+            lps[d.index] += d.logprobs or []
+            if d.finished:
+                reasons[d.index] = _reason(d.finish_reason)
+    finally:
+        server.abort_unfinished(call.subs)
+    if any(r is None for r in reasons):  # the client went away
+        return Response(status_code=499)
+    call.done(reasons)
+    if chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": call.logprobs(lp),
+                    "finish_reason": r} for i, (t, lp, r) in enumerate(zip(texts, lps, reasons))]
+    else:
+        choices = [{"index": i, "text": t, "logprobs": call.logprobs(lp), "finish_reason": r}
+                   for i, (t, lp, r) in enumerate(zip(texts, lps, reasons))]
+    return {**call.base, "choices": choices, "usage": call.usage()}
+
+
+async def _events(request: Request, call: _Call):
+    """The server-sent events of a streamed response, ending in ``data: [DONE]``."""
+    chunk = {**call.base, "object": "chat.completion.chunk"} if call.chat else call.base
+    offsets, reasons = [0] * len(call.subs), []
+    try:
+        call.server.start(call.subs)  # here, so a stream that never starts submits nothing
+        if call.chat:
+            yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]})
+        async for d in _deltas(request, call.subs, call.queue, watch_disconnect=False):
+            call.counts[d.index] += len(d.token_ids)
+            reason = _reason(d.finish_reason)
+            if not d.text and reason is None and not d.logprobs:
+                continue
+            lp = call.logprobs(d.logprobs or [], offsets[d.index])
+            offsets[d.index] += len(d.text or "")
+            if call.chat:
+                choice = {"index": d.index, "delta": {"content": d.text} if d.text else {}}
+            else:
+                choice = {"index": d.index, "text": d.text or ""}
+            yield _sse({**chunk, "choices": [{**choice, "logprobs": lp, "finish_reason": reason}]})
+            if reason is not None:
+                reasons.append(reason)
+        if call.include_usage:
+            yield _sse({**chunk, "choices": [], "usage": call.usage()})
+        yield "data: [DONE]\n\n"
+        call.done(reasons)
+    except APIError as e:
+        yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+        yield "data: [DONE]\n\n"
+    finally:  # also when the client went away (the task is cancelled)
+        call.server.abort_unfinished(call.subs)
+
+
+def _reason(finish_reason):
+    if finish_reason == "abort":
+        raise APIError(500, "the request was aborted", type="server_error")
+    return finish_reason
+
+
+def prometheus_text(m: dict) -> str:
+    """The metrics in Prometheus' text exposition format."""
+    lines = []
+
+    def metric(name, kind, help_, samples):
+        lines.append(f"# HELP dsa_{name} {help_}")
+        lines.append(f"# TYPE dsa_{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"dsa_{name}{labels} {value}")
+
+    metric("requests_running", "gauge", "Requests being generated.", [("", m["running"])])
+    metric("requests_waiting", "gauge", "Requests waiting for cache blocks.", [("", m["waiting"])])
+    metric("requests_finished_total", "counter", "Requests finished, by reason.",
+           [(f'{{finish_reason="{k}"}}', v) for k, v in sorted(m["finished"].items())])
+    metric("prompt_tokens_total", "counter", "Prompt tokens of the requests added.", [("", m["prompt_tokens"])])
+    metric("generated_tokens_total", "counter", "Tokens generated.", [("", m["generated_tokens"])])
+    metric("generation_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.",
+           [("", f"{m['tokens_per_second']:.3f}")])
+    metric("cache_blocks_in_use", "gauge", "Cache blocks held by requests.", [("", m["blocks_in_use"])])
+    metric("cache_blocks_free", "gauge", "Cache blocks a new request can get (cached prefixes included).",
+           [("", m["blocks_free"])])
+    metric("cache_blocks_cached", "gauge", "Blocks holding a named prompt prefix (in use or not).",
+           [("", m["blocks_cached"])])
+    metric("rows_served_total", "counter", "Rows (tokens) served per attention path.",
+           [(f'{{path="{p}"}}', m["rows"].get(p, 0)) for p in PATHS])
+    return "\n".join(lines) + "\n"
