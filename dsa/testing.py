@@ -1,6 +1,7 @@
 """Helpers shared by the kernel tests and benchmarks: paged inputs, poisoning, guard regions, comparisons."""
 import torch
 
+from dsa.kernels.common import cdiv
 from dsa.kernels.slots import positions_to_slots_reference
 from dsa.kernels.topk import topk_indices
 
@@ -52,7 +53,7 @@ def random_block_tables(seq_lens: list[int], block_size: int, *, extra_blocks: i
     Returns ``(block_table [B, MB] int32, num_blocks)``; unused table entries are 0 (never read
     for valid positions). ``extra_blocks`` leaves blocks that no request owns.
     """
-    need = [-(-s // block_size) for s in seq_lens]
+    need = [cdiv(s, block_size) for s in seq_lens]
     num_blocks = sum(need) + extra_blocks
     perm = torch.randperm(num_blocks, generator=generator)
     mb = max(need + [1])
@@ -104,7 +105,7 @@ class Guarded:
     def __init__(self, shape, dtype, device, guard_bytes: int, byte: int = GUARD_BYTE):
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         self.byte = byte
-        self.guard = -(-guard_bytes // 16) * 16  # keeps the tensor 16-byte aligned
+        self.guard = cdiv(guard_bytes, 16) * 16  # keeps the tensor 16-byte aligned
         self.buffer = torch.full((self.guard + nbytes + self.guard,), byte, dtype=torch.uint8, device=device)
         self.tensor = self.buffer[self.guard:self.guard + nbytes].view(dtype).view(shape)
 

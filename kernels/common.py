@@ -77,7 +77,7 @@ def check_real(name: str, value, *, positive: bool = False) -> float:
 
 
 def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for ints (``b > 0``): blocks for ``a`` tokens, tiles for ``a`` columns."""
+    """``ceil(a / b)`` for ints or integer arrays (``b > 0``): blocks for ``a`` tokens, tiles for ``a`` columns."""
     return -(-a // b)
 
 

@@ -14,8 +14,8 @@ import os
 import torch
 
 from dsa.cache import LatentCache
-from dsa.model.dispatch import Dispatch
 from dsa.kernels import dense_mla_decode
+from dsa.model.dispatch import Dispatch
 from dsa.model.plan import BatchPlan
 from dsa.testing import random_block_tables
 

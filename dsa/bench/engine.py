@@ -13,11 +13,12 @@ import time
 import torch
 
 from dsa.config import DSAConfig
-from dsa.model.presets import GPU_DEFAULT
 from dsa.engine import Engine
-from dsa.model import DSAModel
 from dsa.engine.runner import batch_bucket, context_bucket
 from dsa.engine.sampling import SamplingParams
+from dsa.kernels.common import cdiv
+from dsa.model import DSAModel
+from dsa.model.presets import GPU_DEFAULT
 
 from .harness import result_row
 from .indexer import random_index_cache
@@ -52,7 +53,7 @@ def decoding_engine(model, b: int, s: int, g: torch.Generator) -> Engine:
     """An engine whose B requests sit at context S with their first token sampled."""
     p = model.config.block_size
     steps = WARMUP + STEPS + 2
-    engine = Engine(model, num_blocks=b * -(-(s + steps) // p), cuda_graphs=True, prefix_caching=False)
+    engine = Engine(model, num_blocks=b * cdiv(s + steps, p), cuda_graphs=True, prefix_caching=False)
     fill_caches(engine, g)
     for i in range(b):
         tokens = torch.randint(0, model.config.vocab_size, (s,), generator=torch.Generator().manual_seed(i))

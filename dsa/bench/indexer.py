@@ -11,9 +11,17 @@ import json
 
 import torch
 
-from dsa.kernels import (indexer_key_write, indexer_key_write_reference, indexer_logits_paged,
-                         indexer_logits_paged_reference, indexer_logits_ragged, indexer_logits_ragged_reference,
-                         indexer_query_prep, indexer_query_prep_reference, topk_slots)
+from dsa.kernels import (
+    indexer_key_write,
+    indexer_key_write_reference,
+    indexer_logits_paged,
+    indexer_logits_paged_reference,
+    indexer_logits_ragged,
+    indexer_logits_ragged_reference,
+    indexer_query_prep,
+    indexer_query_prep_reference,
+    topk_slots,
+)
 from dsa.testing import calc_diff, random_block_tables
 
 from .harness import result_row

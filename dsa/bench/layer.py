@@ -10,8 +10,15 @@ timed eagerly (``triton``: host launch costs included) and replayed from a CUDA 
 import torch
 
 from dsa.config import DSAConfig
-from dsa.kernels import (dense_mla_decode, indexer_logits_paged, indexer_query_prep, rope_at, sparse_mla,
-                         topk_slots, yarn_cos_sin)
+from dsa.kernels import (
+    dense_mla_decode,
+    indexer_logits_paged,
+    indexer_query_prep,
+    rope_at,
+    sparse_mla,
+    topk_slots,
+    yarn_cos_sin,
+)
 from dsa.model import DSAModel
 from dsa.testing import random_block_tables
 

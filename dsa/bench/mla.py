@@ -6,9 +6,9 @@ of issue #15 are graph-replay times). ``--variants`` adds tile/split sweeps.
 """
 import torch
 
-from dsa.kernels import (dense_mla_decode, dense_mla_decode_reference, latent_write, sparse_mla,
-                         sparse_mla_reference)
+from dsa.kernels import dense_mla_decode, dense_mla_decode_reference, latent_write, sparse_mla, sparse_mla_reference
 from dsa.kernels import sparse_mla_hopper as hopper
+from dsa.kernels.common import cdiv
 from dsa.kernels.sparse_mla import mla_attention_triton
 from dsa.testing import random_block_tables
 
@@ -28,7 +28,7 @@ TARGETS = {("sparse_mla_decode", 64, 1, "bf16"): 90.0, ("sparse_mla_decode", 64,
 def latent_caches(num_tokens: int, device, seed: int = 0) -> dict:
     """The same random rows as a bf16 cache and as a 656-byte FP8 cache (written by latent_write)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    nb = -(-num_tokens // P)
+    nb = cdiv(num_tokens, P)
     bf16 = torch.randn(nb, P, D_L, generator=g, device=device).to(torch.bfloat16)
     fp8 = torch.empty(nb, P, ROW_BYTES["fp8"], dtype=torch.uint8, device=device)
     flat = bf16.view(-1, D_L)

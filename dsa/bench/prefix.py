@@ -11,9 +11,10 @@ import time
 import torch
 
 from dsa.config import DSAConfig
-from dsa.model.presets import GPU_DEFAULT
 from dsa.engine import Engine
+from dsa.kernels.common import cdiv
 from dsa.model import DSAModel
+from dsa.model.presets import GPU_DEFAULT
 
 from .harness import result_row
 
@@ -37,7 +38,7 @@ def run(device, timer, ceilings, args) -> list:
     questions = [torch.randint(0, vocab, (QUESTION,), generator=g).tolist() for _ in range(QUESTIONS)]
     rows = []
     for caching in (True, False):
-        engine = Engine(model, num_blocks=2 * -(-(DOC + QUESTION + 1) // p) + 8, prefix_caching=caching)
+        engine = Engine(model, num_blocks=2 * cdiv(DOC + QUESTION + 1, p) + 8, prefix_caching=caching)
         ttft(engine, other + questions[0])  # compiles the kernels; its blocks never match the document
         before = dataclasses.asdict(engine.stats.prefix)
         times = [ttft(engine, doc + q) for q in questions]

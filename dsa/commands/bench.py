@@ -1,7 +1,6 @@
 """``python -m dsa bench <op>``: same-run ceilings, then the op, results as JSON under benchmarks/results/."""
 import importlib
 
-
 TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> rows
     "indexer": "dsa.bench.indexer",
     "deepgemm": "dsa.bench.deepgemm",

@@ -29,14 +29,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dsa.kernels.common import check_int
-
 from dsa.config import bytes_per_token
 from dsa.engine.blocks import PrefixStats
 from dsa.engine.output import Delta, TextOutput
 from dsa.engine.runner import ModelRunner
-from dsa.engine.sampling import SamplingParams, Sampler
+from dsa.engine.sampling import Sampler, SamplingParams
 from dsa.engine.scheduler import Request, Scheduler
+from dsa.kernels.common import check_int
 from dsa.model.plan import PATHS
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dsa.kernels.common import cdiv
 from dsa.model.layers import MoE
 from dsa.model.plan import BatchPlan, HostPlan
 
@@ -25,8 +26,8 @@ def context_bucket(seq_len: int, block_size: int) -> int:
     multiples of 4096; always a multiple of the block size."""
     b = 256 if seq_len <= 256 else 1 << (seq_len - 1).bit_length()
     if b > CONTEXT_STEP:
-        b = -(-seq_len // CONTEXT_STEP) * CONTEXT_STEP
-    return -(-b // block_size) * block_size
+        b = cdiv(seq_len, CONTEXT_STEP) * CONTEXT_STEP
+    return cdiv(b, block_size) * block_size
 
 
 def batch_bucket(rows: int) -> int | None:

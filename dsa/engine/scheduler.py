@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dsa.engine.blocks import BlockManager, CacheFullError
-
 from dsa.engine.sampling import GREEDY, SamplingParams
+from dsa.kernels.common import cdiv
 
 
 @dataclass(eq=False)
@@ -52,7 +52,7 @@ class Scheduler:
         self.running: dict = {}  # rid -> Request, in admission order
 
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+        return cdiv(tokens, self.block_size)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)

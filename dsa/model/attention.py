@@ -19,12 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsa.cache import LatentCache, write_latent
+from dsa.config import DSAConfig, layer_runs_indexer, softmax_scale
 from dsa.indexer import LightningIndexer
 from dsa.kernels import dense_mla_decode, rope_rotate, sparse_mla
 from dsa.kernels.sparse_mla import gather_latent_rows
-
 from dsa.model.absorb import absorb_kv_b
-from dsa.config import DSAConfig, layer_runs_indexer, softmax_scale
 from dsa.model.layers import RMSNorm
 from dsa.model.parallel import TensorParallel
 

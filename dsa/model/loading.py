@@ -19,9 +19,8 @@ import re
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dsa.kernels.common import check_int
-
 from dsa.config import DSAConfig, read_json_object
+from dsa.kernels.common import cdiv, check_int
 
 log = logging.getLogger("dsa")
 
@@ -135,7 +134,7 @@ def _dequantize(raw: dict, where: dict, parts: dict) -> dict:
             if t.dim() != 2:
                 raise ValueError(f"{where[key]}: {key}: expected a 2-D FP8 weight, got shape {list(t.shape)}")
             part, full = parts.get(key, ((), tuple(t.shape)))
-            grid = [-(-n // FP8_BLOCK) for n in full]
+            grid = [cdiv(n, FP8_BLOCK) for n in full]
             if list(scale.shape) != grid:
                 raise ValueError(f"{where[key + SCALE_SUFFIX]}: {key}{SCALE_SUFFIX}: expected {grid} blocks of "
                                  f"{FP8_BLOCK}x{FP8_BLOCK} for the weight's {list(full)}, got {list(scale.shape)}")

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from dsa.cache import IndexerKeyCache, LatentCache
+from dsa.config import DSAConfig, latent_format
 from dsa.indexer import Selection
 from dsa.kernels import rope_at, yarn_cos_sin
-
+from dsa.kernels.common import cdiv
 from dsa.model.attention import DSAAttention
-from dsa.config import DSAConfig, latent_format
 from dsa.model.dispatch import load_dispatch
 from dsa.model.layers import MLP, MoE, RMSNorm, is_moe_layer
 from dsa.model.loading import match_state_dict, read_pretrained
@@ -215,7 +215,7 @@ class DSAModel(nn.Module):
         b, s = input_ids.shape
         if b * s == 0:
             return torch.zeros(b, s, self.config.vocab_size, device=self.device)
-        per = -(-s // self.config.block_size)
+        per = cdiv(s, self.config.block_size)
         caches = self.allocate_caches(b * per)
         table = torch.arange(b * per, dtype=torch.int32).view(b, per)
         plan = self.plan([s] * b, [0] * b, table, input_ids=input_ids.reshape(-1))

@@ -24,7 +24,7 @@ import torch
 
 from dsa.indexer.batch import DecodeRows, IndexerBatch, PrefillRows
 from dsa.kernels import positions_to_slots
-
+from dsa.kernels.common import cdiv
 from dsa.model.dispatch import Dispatch
 
 # rows served per path (engine statistics), named by the kernels that run them: with an indexer
@@ -197,7 +197,7 @@ class HostPlan:
             raise ValueError("query_lens: every request needs >= 1 new token and context_lens >= 0")
         seq = c + q
         tables = _block_array(block_tables, len(q), num_block_columns)
-        need = -(-seq // block_size)
+        need = cdiv(seq, block_size)
         if (need > tables.shape[1]).any():
             raise ValueError(f"block_tables: expected [B={len(q)}, >= ceil(S / {block_size})] blocks per request, "
                              f"got {list(tables.shape)} for seq_lens {seq.tolist()}")

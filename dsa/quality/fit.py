@@ -16,6 +16,7 @@ import time
 import torch
 from tqdm import tqdm
 
+
 def parse_layers(spec: str, num_layers: int) -> list:
     if spec == "all":
         return list(range(num_layers))
@@ -63,8 +64,8 @@ def heldout_kl(teacher, indexers, batches, cos, sin) -> dict:
 def fit(teacher, layers, streams, heldout_batches, *, heads=4, context=8192, queries=256, min_position=256,
         steps=1000, max_seconds=None, lr=1e-3, warmup=20, seed=0, progress=True) -> tuple:
     """Train one indexer per layer; returns ``({layer: LightningIndexer}, record)``."""
-    from dsa.quality.corpus import sample_window
     from dsa.indexer import LightningIndexer
+    from dsa.quality.corpus import sample_window
     from dsa.quality.selection import indexer_config, indexer_logits, rope_tables, warmup_kl
 
     device = teacher.device

@@ -24,7 +24,6 @@ from tqdm import tqdm
 
 from dsa.config import layer_runs_indexer
 
-
 SWEEP = (64, 128, 256, 512, 1024, 2048, 4096)  # the default k sweep, cut below the context
 
 

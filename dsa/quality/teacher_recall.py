@@ -338,9 +338,9 @@ def save(result: dict, path: str, t_start: float) -> None:
 
 def run(args) -> int:
     from dsa.bench.harness import env_info
+    from dsa.indexer import LightningIndexer
     from dsa.quality.corpus import read_streams, windows
     from dsa.quality.fit import parse_layers, sample_queries
-    from dsa.indexer import LightningIndexer
     from dsa.quality.selection import PACKAGED, indexer_config, load_indexers, reuse_source, rope_tables
     from dsa.quality.sparse_loss import sparse_losses
     from dsa.quality.teacher import LlamaTeacher

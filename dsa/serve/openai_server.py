@@ -23,10 +23,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsa.engine.sampling import SamplingParams
+from dsa.model.plan import PATHS
 from dsa.serve.chat_template import ChatTemplateError
 from dsa.serve.engine_loop import EngineLoop, Submission
-from dsa.model.plan import PATHS
-from dsa.engine.sampling import SamplingParams
 
 log = logging.getLogger("dsa.serve")
 CHAT_DEFAULT_MAX_TOKENS = 256  # chat without max_tokens: this many, or what is left of the context
