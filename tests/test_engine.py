@@ -132,3 +132,17 @@ def test_short_decode_rows_take_the_sparse_kernel_with_every_position(model):
     dense, _ = dense_mla_decode(q[:, None], latent, plan.decode.block_table, plan.decode.seq_lens, 0.1)
     assert torch.allclose(sparse, dense[:, 0], atol=1e-5, rtol=1e-5)
     assert engine.generate([prompt(12, 14)], 3)[0] == Engine(model, num_blocks=4).generate([prompt(12, 14)], 3)[0]
+
+
+def test_warmup_runs_every_step_kind_and_changes_no_tokens(model):
+    prompts = [prompt(40, 21), prompt(5, 22)]
+    cold = Engine(model, num_blocks=16, max_batch_tokens=24)
+    warm = Engine(model, num_blocks=16, max_batch_tokens=24)
+    report = warm.warmup(progress=False)
+    # prefill: chunks 1, 2, 4, 8, 16, 24 from a fresh prompt, and behind prefixes; decode: every bucket
+    assert report["prefill_steps"] >= 6 and report["decode_buckets"] >= 5 and report["graphs_captured"] == 0
+    assert warm.stats.steps == 0 and warm.stats.blocks_in_use == 0  # no request, no block held
+    assert warm.generate(prompts, 6) == cold.generate(prompts, 6)
+    with pytest.raises(RuntimeError, match="warmup: call it before"):
+        warm.add_request(prompt(3, 1), 2)
+        warm.warmup(progress=False)

@@ -55,15 +55,15 @@ def run(args) -> int:
     load_s = time.perf_counter() - t0
     per_request = cdiv(context + args.new_tokens, cfg.block_size)
     chunk = args.max_batch_tokens or min(8192, cdiv(context * args.batch, 8 * cfg.block_size) * cfg.block_size)
-    # no prefix caching: the timed run repeats the warm-up's prompts and must prefill them again
-    engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=chunk, prefix_caching=False)
+    engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=chunk)
     quiet = model.tp.rank != 0  # under tensor parallelism rank 0 reports
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist() for _ in range(args.batch)]
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)  # exactly N tokens
-    if device.type == "cuda":  # Triton compiles a kernel per shape specialization on first use: warm up untimed
-        engine.generate(prompts, sampling=sampling)
-        engine.reset_stats()
+    if device.type == "cuda":  # compile every kernel and capture the decode graphs before timing
+        report = engine.warmup(progress=not model.tp.rank)
+        if not model.tp.rank:
+            print(f"warm-up: {report['seconds']} s, {report['graphs_captured']} CUDA graphs")
     for p in prompts:
         engine.add_request(p, sampling=sampling)
 

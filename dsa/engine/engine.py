@@ -152,6 +152,25 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def warmup(self, progress: bool = True) -> dict:
+        """Compile every kernel and capture every CUDA graph this engine can launch, before any
+        request: prefill chunks of each size class up to ``max_batch_tokens``, decode steps at
+        every batch and context bucket up to the model's context (or the pool's, when smaller),
+        and the sampler's paths. Returns what it did (steps, graphs captured, seconds, bytes the
+        graphs hold). Triton keeps what it compiled on disk (``~/.triton/cache``, or
+        ``TRITON_CACHE_DIR``), so a second start of the same model compiles nothing."""
+        with self.lock:
+            if self.has_work() or self.scheduler.blocks.num_used:
+                raise RuntimeError("warmup: call it before any request is added")
+            max_context = min(self.config.max_position_embeddings, self.capacity_tokens)
+            report = self.runner.warmup(self.max_batch_tokens, max_context,
+                                        max_decode_rows=min(self.max_batch_tokens, self.num_blocks), progress=progress)
+            logits = torch.zeros(2, self.config.vocab_size, device=self.model.device)
+            for params in ([SamplingParams(temperature=0)] * 2,
+                           [SamplingParams(temperature=0.7, top_p=0.9, top_k=5, logprobs=2), SamplingParams()]):
+                self.sampler(logits, params, [0, 1], [0, 1])
+            return report
+
     # ---- requests --------------------------------------------------------------------------
     def sampling_params(self, max_new_tokens: int | None = None, sampling: SamplingParams | None = None):
         """``sampling``, or greedy ``SamplingParams(max_tokens=max_new_tokens, temperature=0)``;

@@ -8,6 +8,7 @@ buffer in one transfer and replays; the logits of the real rows come back. Repla
 the logits of the eager path run at the same padded shapes. Models with MoE layers run eagerly
 (their expert dispatch reads routing decisions on the host).
 """
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,19 +109,69 @@ class ModelRunner:
         self.graphs[(rows, ctx)] = g = _Graph(graph, buf, host.spec, logits)
         return g
 
-    def capture(self, context_len: int, batch_sizes=BATCH_BUCKETS) -> int:
-        """Capture up front the graphs of ``batch_sizes`` for contexts up to ``context_len`` (one
-        context bucket), with padding rows only (nothing is written). Returns the graphs captured."""
-        if not self.use_graphs:
-            raise ValueError("capture: this runner does not use CUDA graphs")
+    def context_buckets(self, max_context: int) -> list:
+        """Every decode context bucket up to ``max_context`` tokens."""
+        p, out, s = self.model.config.block_size, [], 1
+        while True:
+            b = context_bucket(s, p)
+            out.append(b)
+            if b >= max_context:
+                return out
+            s = b + 1
+
+    def warmup(self, max_batch_tokens: int, max_context: int, max_decode_rows: int, progress: bool = True) -> dict:
+        """Launch once every kind of step this runner can be asked for, so that no kernel compiles
+        and no CUDA graph is captured on a later step: prefill chunks of each size class up to
+        ``max_batch_tokens`` rows (dense and sparse rows, no prefix and a long one), and decode steps
+        at every batch and context bucket up to ``max_decode_rows`` x ``max_context`` (with graphs:
+        captured here, padding rows only). Every row writes into scratch blocks or nowhere: call it
+        before any request holds blocks. Returns what it did (steps, graphs, seconds, bytes)."""
+        from tqdm import tqdm
+
+        c, p = self.model.config, self.model.config.block_size
+        num_blocks = self.caches.num_blocks
+        capacity = num_blocks * p
+        max_context = min(max_context, capacity)
+        ladder = lambda top: sorted({min(top, 1 << i) for i in range(top.bit_length() + 1)} | {top})  # noqa: E731
+        prefill = [(t, 0) for t in ladder(max_batch_tokens)]  # chunks from a fresh prompt: dense, then sparse rows
+        prefill += [(t, ctx) for ctx in ladder(max(1, max_context - max_batch_tokens))[1:]  # behind a long prefix
+                    for t in (1, max_batch_tokens) if ctx + t <= max_context]
+        rows = [b for b in BATCH_BUCKETS if b <= max_decode_rows] or [1]
+        decode = [(b, ctx) for ctx in self.context_buckets(max_context) for b in rows]
+        sync = torch.cuda.synchronize if self.model.device.type == "cuda" else (lambda: None)
+        sync()
+        t0, before = time.perf_counter(), _reserved(self.model.device)
+        bar = tqdm(total=len(prefill) + len(decode), desc="warm-up", unit="step", disable=not progress)
+        for t, ctx in prefill:
+            table = (np.arange(cdiv(ctx + t, p)) % num_blocks)[None].astype(np.int32)
+            ids = np.zeros(t, np.int32)
+            plan = BatchPlan.build([t], [ctx], table, p, self.model.device, input_ids=ids, **self.model.plan_options())
+            self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
+            bar.update()
+        graphs = 0
+        for b, ctx in decode:
+            if self.use_graphs:
+                if (b, ctx) not in self.graphs:
+                    self._capture(self._padding_plan(b, ctx), b, ctx)
+                    graphs += 1
+            else:
+                table = np.zeros((b, ctx // p), np.int32)
+                plan = BatchPlan.build([1] * b, [ctx - 1] * b, table, p, self.model.device,
+                                       input_ids=np.zeros(b, np.int32), **self.model.plan_options())
+                self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
+            bar.update()
+        bar.close()
+        sync()
+        return {"prefill_steps": len(prefill), "decode_buckets": len(decode), "graphs_captured": graphs,
+                "seconds": round(time.perf_counter() - t0, 2), "graph_pool_bytes": _reserved(self.model.device) - before}
+
+    def _padding_plan(self, rows: int, ctx: int) -> HostPlan:
+        """A decode-only plan of padding rows only (nothing read or written) for one graph bucket."""
         p = self.model.config.block_size
-        ctx, done = context_bucket(context_len, p), 0
-        for rows in sorted({batch_bucket(b) for b in batch_sizes}, reverse=True):  # largest first: the pool fits all
-            if (rows, ctx) in self.graphs:
-                continue
-            host = HostPlan.pack([], [], np.zeros((0, ctx // p), np.int32), p, self.model.device,
-                                 input_ids=np.zeros(0, np.int32), num_rows=rows, max_seq_len=ctx,
-                                 num_block_columns=ctx // p, **self.model.plan_options())
-            self._capture(host, rows, ctx)
-            done += 1
-        return done
+        return HostPlan.pack([], [], np.zeros((0, ctx // p), np.int32), p, self.model.device,
+                             input_ids=np.zeros(0, np.int32), num_rows=rows, max_seq_len=ctx,
+                             num_block_columns=ctx // p, **self.model.plan_options())
+
+
+def _reserved(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0

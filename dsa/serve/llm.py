@@ -43,11 +43,13 @@ class LLM:
     default model (random weights, seed ``seed``) with the byte-level tokenizer. ``tokenizer``: a
     folder or tokenizer object to use instead. ``dtype``/``device``: default bf16 on CUDA, fp32 on
     CPU. ``engine_options``: :class:`~dsa.engine.engine.Engine` arguments (``num_blocks`` or
-    ``memory_bytes``, ``max_batch_tokens``, ``cuda_graphs``). Thread-safe like the engine.
+    ``memory_bytes``, ``max_batch_tokens``, ``cuda_graphs``). ``warmup``: run
+    :meth:`Engine.warmup` before returning (None: on CUDA, where Triton compiles on first use;
+    skipped on CPU), its report in ``warmup_report``. Thread-safe like the engine.
     """
 
     def __init__(self, checkpoint=None, *, tokenizer=None, dtype: torch.dtype | None = None, device=None,
-                 seed: int = 0, **engine_options):
+                 seed: int = 0, warmup: bool | None = None, **engine_options):
         from dsa.model import DSAModel
         from dsa.model.presets import default_model
 
@@ -63,22 +65,25 @@ class LLM:
             tokenizer = ByteTokenizer()
         elif tokenizer is None and os.path.exists(os.path.join(os.fspath(checkpoint), "tokenizer.json")):
             tokenizer = Tokenizer.from_pretrained(checkpoint)
-        self._attach(model, tokenizer, engine_options)
+        self._attach(model, tokenizer, engine_options, warmup)
         self.checkpoint = checkpoint
 
     @classmethod
-    def from_model(cls, model, tokenizer=None, **engine_options) -> "LLM":
+    def from_model(cls, model, tokenizer=None, warmup: bool | None = None, **engine_options) -> "LLM":
         """An LLM over a model already built (e.g. ``DSAModel.random``) and a tokenizer object."""
         llm = cls.__new__(cls)
-        llm._attach(model, tokenizer, engine_options)
+        llm._attach(model, tokenizer, engine_options, warmup)
         llm.checkpoint = None
         return llm
 
-    def _attach(self, model, tokenizer, engine_options: dict) -> None:
+    def _attach(self, model, tokenizer, engine_options: dict, warmup: bool | None) -> None:
         self.model, self.tokenizer = model, tokenizer
         if "num_blocks" not in engine_options and "memory_bytes" not in engine_options:
             engine_options = {**engine_options, **default_cache_blocks(model)}
         self.engine = Engine(model, tokenizer=tokenizer, **engine_options)
+        self.warmup_report = None
+        if warmup or (warmup is None and model.device.type == "cuda"):
+            self.warmup_report = self.engine.warmup()
 
     def encode(self, prompt) -> list:
         """Token ids of a prompt: a string (through the tokenizer) or a list of token ids."""
