@@ -4,10 +4,9 @@ Ids follow the kernels' rule: a slot outside ``[0, NB * P)`` writes nothing, and
 block id is outside ``[0, NB)`` reads nothing.
 """
 import torch
-from dsa.kernels import indexer_key_write, latent_write
+from dsa.kernels import indexer_key_write, latent_write, positions_to_slots
 from dsa.kernels.common import check_block_size, check_int, check_tensor
 from dsa.kernels.layouts import INDEXER_HEAD_DIM, LATENT_ROWS, indexer_bytes_per_token, indexer_cache_views
-from dsa.kernels.slots import positions_to_slots_reference
 
 LATENT_FORMATS = tuple(LATENT_ROWS)  # "bf16", "fp8", "fp32"
 
@@ -96,14 +95,17 @@ def write_latent(cache: LatentCache, kv_c: torch.Tensor, k_pe: torch.Tensor, slo
     latent_write(cache.data, kv_c, k_pe, slot_mapping)
 
 
-def gather_indexer_keys(cache: IndexerKeyCache, block_table: torch.Tensor,
-                        seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def gather_indexer_keys(cache: IndexerKeyCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        total: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each request's keys, positions ``0 .. S_b - 1``, concatenated in request order.
 
     Args:
         block_table: ``[B, MB]`` int32, at least ``ceil(S_b / P)`` blocks per request (else
-            ``ValueError``); a block id outside ``[0, NB)`` is read as no block.
-        seq_lens: ``[B]`` int32 (a host sync sizes the output); negative counts as 0.
+            ``ValueError``; with ``total`` given the caller vouches for it); a block id outside
+            ``[0, NB)`` is read as no block.
+        seq_lens: ``[B]`` int32; negative counts as 0.
+        total: ``sum(S_b)`` when the caller knows it (a step plan does): nothing is read back from
+            the device. None: a host sync sizes the output.
 
     Returns:
         FP8: ``(k8 [sum(S), DI] float8_e4m3fn, k_scale [sum(S)] float32)``;
@@ -116,14 +118,17 @@ def gather_indexer_keys(cache: IndexerKeyCache, block_table: torch.Tensor,
     check_tensor("block_table", block_table, dtype=torch.int32, shape=2, device=cache.data.device)
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(block_table.shape[0],), device=cache.data.device)
     lengths = seq_lens.long().clamp_min(0)
-    if (lengths > block_table.shape[1] * cache.block_size).any():  # before sizing anything by seq_lens
-        raise ValueError(f"block_table: too few blocks ({block_table.shape[1]}) for seq_lens")
-    total = int(lengths.sum())
-    row_to_req = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    if total is None:
+        if (lengths > block_table.shape[1] * cache.block_size).any():  # before sizing anything by seq_lens
+            raise ValueError(f"block_table: too few blocks ({block_table.shape[1]}) for seq_lens")
+        total = int(lengths.sum())
+    total = check_int("total", total, minimum=0)
+    row_to_req = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths,
+                                         output_size=total)
     starts = torch.cumsum(lengths, 0) - lengths
     positions = (torch.arange(total, device=lengths.device) - starts[row_to_req]).to(torch.int32)
-    slots = positions_to_slots_reference(positions[:, None], block_table, row_to_req.to(torch.int32), seq_lens,
-                                         cache.block_size)[:, 0].long()
+    slots = positions_to_slots(positions[:, None], block_table, row_to_req.to(torch.int32), seq_lens,
+                               cache.block_size)[:, 0].long()
     ok = (slots >= 0) & (slots < cache.num_blocks * cache.block_size)  # block ids outside [0, NB): nothing read
     slots = torch.where(ok, slots, 0)
     block, offset = slots // cache.block_size, slots % cache.block_size

@@ -25,12 +25,31 @@ class DecodeRows:
 
 @dataclass(frozen=True)
 class PrefillRows:
-    """One request's prefill rows whose valid range exceeds ``index_topk`` (scored by ragged logits)."""
-    rows: slice  # rows [row0, row1) of the step
+    """One request's prefill rows ``[row0, row1)`` of the step, at positions ``pos0 ..``: the
+    indexer's sparse rows (scored by ragged logits over the request's keys) and the attention's
+    dense segments (rows whose range fits in ``index_topk``) are both of this type. Host ints size
+    everything, so no op reads a length back from the device."""
+    req: int  # host: the request's index in the step
+    row0: int  # host
+    row1: int  # host
+    pos0: int  # host: the position of row0
     block_table: torch.Tensor  # [1, MB] int32, the request's blocks
-    seq_len: torch.Tensor  # [1] int32, positions visible to the last row
-    valid_lens: torch.Tensor  # [rows] int32, pos + 1 (causal)
-    starts: torch.Tensor  # [rows] int32 zeros
+    seq_len: torch.Tensor  # [1] int32, pos0 + rows: positions visible to the last row
+    valid_lens: torch.Tensor  # [rows] int32, position + 1 of each row (causal)
+    slots: torch.Tensor | None = None  # [num_keys] int32 slots of positions 0 .. num_keys - 1 (the MHA path)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.row0, self.row1)
+
+    @property
+    def num_rows(self) -> int:
+        return self.row1 - self.row0
+
+    @property
+    def num_keys(self) -> int:
+        """Positions visible to the last row (host)."""
+        return self.pos0 + self.num_rows
 
 
 @dataclass(frozen=True)
@@ -38,7 +57,8 @@ class IndexerBatch:
     positions: torch.Tensor  # [T] int32, request-local
     slot_mapping: torch.Tensor  # [T] int32, where each row's key is written (-1: nowhere)
     decode: DecodeRows | None
-    prefill: tuple  # PrefillRows, in row order
+    prefill: tuple  # PrefillRows of the sparse prefill rows, in row order
+    zeros: torch.Tensor  # [T] int32 zeros (ragged logits' range starts)
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ class LightningIndexer(nn.Module):
         positions = torch.arange(t, device=x.device)
         write_indexer_keys(cache, k, positions, hadamard=c.indexer_hadamard)
         table = torch.arange(cache.num_blocks, dtype=torch.int32, device=x.device)[None]
-        k8, k_scale = gather_indexer_keys(cache, table, torch.tensor([t], dtype=torch.int32, device=x.device))
+        k8, k_scale = gather_indexer_keys(cache, table, torch.tensor([t], dtype=torch.int32, device=x.device), total=t)
         q8, weights = indexer_query_prep(q.contiguous(), w.contiguous(), c.indexer_hadamard)
         return indexer_logits_ragged(q8, weights, k8, k_scale, starts, ends)
 
@@ -106,12 +106,12 @@ class LightningIndexer(nn.Module):
             decode = topk_slots(logits, d.seq_lens, k, d.block_table, d.row_ids, d.seq_lens, cache.block_size)
         prefill = []
         for seg in batch.prefill:
-            keys, k_scale = gather_indexer_keys(cache, seg.block_table, seg.seq_len)  # [S, DI], positions 0 .. S-1
-            step = max(1, RAGGED_CHUNK_ELEMS // max(1, keys.shape[0]))
-            for r0 in range(seg.rows.start, seg.rows.stop, step):
-                r1 = min(seg.rows.stop, r0 + step)
-                valid, starts = seg.valid_lens[r0 - seg.rows.start:r1 - seg.rows.start], \
-                    seg.starts[r0 - seg.rows.start:r1 - seg.rows.start]
+            # [S, DI] keys of positions 0 .. S-1, sized on the host
+            keys, k_scale = gather_indexer_keys(cache, seg.block_table, seg.seq_len, total=seg.num_keys)
+            step = max(1, RAGGED_CHUNK_ELEMS // max(1, seg.num_keys))
+            for r0 in range(seg.row0, seg.row1, step):
+                r1 = min(seg.row1, r0 + step)
+                valid, starts = seg.valid_lens[r0 - seg.row0:r1 - seg.row0], batch.zeros[r0:r1]
                 logits = indexer_logits_ragged(q[r0:r1], weights[r0:r1], keys, k_scale, starts, valid)
                 prefill.append(topk_slots(logits, valid, k, seg.block_table, starts, seg.seq_len, cache.block_size))
         return Selection(decode, torch.cat(prefill) if prefill else None)

@@ -93,19 +93,20 @@ def test_never_fits_is_refused_and_engine_keeps_working(model):
     assert len(engine.generate([prompt(20, 11)], 3)[0]) == 3
 
 
-def test_full_pool_makes_requests_wait(model):
+def test_a_full_pool_preempts_the_newest_request_and_tokens_do_not_change(model):
     a, b = prompt(30, 12), prompt(25, 13)
-    engine = Engine(model, num_blocks=3)  # 48 tokens: one request at a time
+    engine = Engine(model, num_blocks=3)  # 48 tokens: both prompts start, then b gives its blocks back
     ra, rb = engine.add_request(a, 4), engine.add_request(b, 4)
     outs = {ra: [], rb: []}
-    for rid, toks in engine.step().items():
+    for rid, toks in engine.step().items():  # a's prompt (30 rows, 2 blocks) and the first block of b's
         outs[rid] += toks
-    assert [r.rid for r in engine.waiting] == [rb] and ra in engine.running
+    assert [r.rid for r in engine.running.values()] == [ra, rb] and not engine.waiting
     while engine.has_work():
         for rid, toks in engine.step().items():
             outs[rid] += toks
-    alone = Engine(model, num_blocks=3).generate([b], 4)[0]
-    assert outs[rb] == alone and len(outs[ra]) == 4
+    assert engine.stats.preemptions >= 1 and engine.stats.blocks_in_use == 0
+    assert outs[ra] == Engine(model, num_blocks=3).generate([a], 4)[0]
+    assert outs[rb] == Engine(model, num_blocks=3).generate([b], 4)[0]
 
 
 def test_engine_arguments():

@@ -111,9 +111,9 @@ def test_stop_tokens_and_eos_finish_with_stop(model):
 
 
 def test_abort_frees_blocks_of_running_and_waiting_requests(model):
-    engine = engine_for(model, num_blocks=3)  # 48 tokens: one request at a time
+    engine = engine_for(model, num_blocks=3)  # 48 tokens: a's 40-token prompt takes every block
     seen = []
-    a = engine.add_request(p(30, 10), 8, on_output=seen.append)
+    a = engine.add_request(p(40, 10), 8, on_output=seen.append)
     b = engine.add_request(p(20, 11), 8, on_output=seen.append)
     engine.step()
     assert a in engine.running and [r.rid for r in engine.waiting] == [b]
@@ -123,7 +123,7 @@ def test_abort_frees_blocks_of_running_and_waiting_requests(model):
     assert not engine.abort(a) and not engine.abort(12345)
     assert [d.finish_reason for d in seen if d.request_id == b] == ["abort"]
     assert seen[-1].request_id == a and seen[-1].finish_reason == "abort"
-    assert len(engine.generate([p(30, 10)], 8)[0]) == 8  # still usable
+    assert len(engine.generate([p(40, 10)], 8)[0]) == 8  # still usable
 
 
 def test_leaving_a_stream_early_aborts_its_requests(model):

@@ -36,8 +36,8 @@ def test_replay_is_bitwise_the_eager_step_at_the_same_padded_shapes(model):
     assert engine.runner.use_graphs
     for _ in range(3):  # the first step captures, the next ones replay
         batch = engine.scheduler.schedule()
-        q, c = [n for _, n in batch], [r.computed for r, _ in batch]
-        tables, ids = [r.block_array for r, _ in batch], [r.tokens[r.computed] for r, _ in batch]
+        q, c = batch.num_rows, [r.computed for r in batch.requests]
+        tables, ids = [r.blocks for r in batch.requests], [r.tokens[r.computed] for r in batch.requests]
         rows, ctx = batch_bucket(len(q)), context_bucket(max(c) + 1, model.config.block_size)
         host = HostPlan.pack(q, c, tables, model.config.block_size, "cuda", input_ids=ids, num_rows=rows,
                              max_seq_len=ctx, num_block_columns=ctx // model.config.block_size,
@@ -45,7 +45,7 @@ def test_replay_is_bitwise_the_eager_step_at_the_same_padded_shapes(model):
         eager = model.step(host.derive(host.upload()), engine.caches)[:len(q)].clone()  # writes the same rows
         result = engine.runner.run(batch)
         assert result.graph and torch.equal(result.logits, eager)
-        for (req, _), tok in zip(batch, result.logits.argmax(-1).tolist()):
+        for req, tok in zip(batch.requests, result.logits.argmax(-1).tolist()):
             req.computed += 1
             req.tokens.append(tok)
 
@@ -64,6 +64,25 @@ def test_no_host_sync_inside_a_decode_step(model, graphs):
     assert result.graph == graphs and torch.isfinite(result.logits).all()
 
 
+@pytest.mark.parametrize("kind", ["prefill", "mixed"])
+def test_no_host_sync_inside_a_prefill_or_mixed_step(model, kind):
+    g = torch.Generator().manual_seed(1)
+    long = torch.randint(0, 512, (300,), generator=g).tolist()  # dense rows, then sparse rows (index_topk 64)
+    engine = _decoding(model) if kind == "mixed" else Engine(model, num_blocks=64)
+    engine.add_request(long, 4)
+    engine.scheduler.max_batch_tokens = 128  # chunks behind a prefix after the first
+    engine.step()  # compiles outside the checked step
+    batch = engine.scheduler.schedule()
+    assert any(n > 1 for n in batch.num_rows) and (kind == "prefill") == all(n > 1 for n in batch.num_rows)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = engine.runner.run(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not result.graph and torch.isfinite(result.logits).all()
+
+
 def test_graph_engine_gives_the_eager_engines_tokens(model):
     p = _prompts()[1]  # one request: the bucket of 1 row is the eager shape
     graph = Engine(model, num_blocks=16)
@@ -73,9 +92,11 @@ def test_graph_engine_gives_the_eager_engines_tokens(model):
     assert [o[0] for o in both] == [o[0] for o in Engine(model, num_blocks=64, cuda_graphs=False).generate(_prompts(), 4)]
 
 
-def test_capture_up_front(model):
-    engine = Engine(model, num_blocks=16, cuda_graphs=True)
-    assert engine.runner.capture(200, batch_sizes=(1, 3)) == 2  # buckets 1 and 4, padding rows only
-    assert engine.allocator.num_free == 16
+def test_warmup_captures_every_decode_bucket_and_later_steps_only_replay(model):
+    engine = Engine(model, num_blocks=16, max_batch_tokens=64, cuda_graphs=True)
+    report = engine.warmup(progress=False)
+    # contexts up to the pool's 256 tokens: one bucket; batch buckets 1 .. 16 (16 blocks)
+    assert report["graphs_captured"] == len(engine.runner.graphs) == 5 and engine.allocator.num_free == 16
+    captured = dict(engine.runner.graphs)
     out = engine.generate([_prompts()[0]], 5)[0]
-    assert len(out) == 5 and engine.stats.graph_steps == 4
+    assert len(out) == 5 and engine.stats.graph_steps == 4 and engine.runner.graphs == captured

@@ -34,10 +34,11 @@ def test_rows_split_by_valid_range():
     assert plan.decode.rows == slice(0, 2) and plan.decode.max_seq_len == 20 and plan.decode.every_position is None
     assert not plan.decode_only
     seg, = plan.absorbed
-    assert (seg.req, seg.row0, seg.row1, seg.pos0, seg.seq_len) == (2, 2, 8, 10, 16)
-    assert seg.seq_len_t.tolist() == [16]  # the segment's own context, not the request's
+    assert (seg.req, seg.row0, seg.row1, seg.pos0, seg.num_keys) == (2, 2, 8, 10, 16)
+    assert seg.seq_len.tolist() == [16]  # the segment's own context, not the request's
     pre, = plan.indexer.prefill
     assert pre.rows == slice(8, 12) and pre.valid_lens.tolist() == [17, 18, 19, 20] and pre.seq_len.tolist() == [20]
+    assert (pre.pos0, pre.num_keys) == (16, 20)  # host sizes: the indexer gathers 20 keys without a sync
     assert plan.sparse_prefill_rows.tolist() == [8, 9, 10, 11]
 
 

@@ -243,7 +243,8 @@ def test_a_client_disconnect_frees_its_blocks(server, llm):
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
         during = server.metrics()
-        assert during["dsa_requests_running"] == 1 and during["dsa_cache_blocks_in_use"] == blocks
+        # blocks on demand: those of the tokens computed so far, at most the request's worst case
+        assert during["dsa_requests_running"] == 1 and 1 <= during["dsa_cache_blocks_in_use"] <= blocks
     after = _wait_for(server, lambda m: m["dsa_cache_blocks_in_use"] == 0)
     assert after["dsa_requests_running"] == 0 and after["dsa_cache_blocks_free"] == 64
     assert after['dsa_requests_finished_total{finish_reason="abort"}'] >= 1

@@ -1,9 +1,9 @@
 """The step: one plan per step read by every layer, and no host round trip inside a decode step.
 
 On CPU the host-sync rule is checked for the code around the kernels (plan, model, layers, indexer,
-runner) by making every tensor-to-host conversion raise while a decode step runs, except inside the
-ops of ``dsa.kernels`` and ``dsa.cache``, whose CPU references may read lengths on the host (there is
-nothing to wait for on a CPU); the GPU test runs the whole step under
+cache gathers, runner) by making every tensor-to-host conversion raise while a decode, prefill or
+mixed step runs, except inside the ops of ``dsa.kernels``, whose CPU references may read lengths on
+the host (there is nothing to wait for on a CPU); the GPU test runs the whole step under
 ``torch.cuda.set_sync_debug_mode("error")``, where the Triton kernels run.
 """
 import functools
@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 
+import dsa.cache.storage
 import dsa.model.attention
 import dsa.indexer.lightning
 import dsa.model.plan
@@ -37,10 +38,26 @@ def _decoding_engine(model, n=3):
 GUARDED = ("item", "tolist", "__int__", "__float__", "__bool__", "nonzero")
 
 
-def test_decode_step_makes_no_host_round_trip(model, monkeypatch):
-    engine = _decoding_engine(model)
-    batch = engine.scheduler.schedule()
-    assert all(n == 1 for _, n in batch) and len(batch) == 3
+def _step_of(kind: str, model):
+    """An engine and its next scheduled step: decode rows only, a fresh prefill (dense then sparse
+    rows, the MHA path among them), or a mixed step (decode rows and a prefill chunk behind a prefix)."""
+    if kind == "prefill":
+        engine = Engine(model, num_blocks=32)
+        engine.add_request(prompt(45, 60), 4)
+    else:
+        engine = _decoding_engine(model)
+        if kind == "mixed":
+            engine.add_request(prompt(60, 61), 4)
+            engine.scheduler.max_batch_tokens = 3 + 25  # the new prompt's first chunk
+            engine.step()  # now it continues behind a 25-token prefix
+    return engine, engine.scheduler.schedule()
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_a_step_makes_no_host_round_trip(model, kind, monkeypatch):
+    engine, batch = _step_of(kind, model)
+    assert {"decode": lambda q: q == [1, 1, 1], "prefill": lambda q: q == [45],
+            "mixed": lambda q: q[:3] == [1, 1, 1] and q[3] > 1}[kind](batch.num_rows), batch.num_rows
     inside_op = [0]
     originals = {name: getattr(torch.Tensor, name) for name in GUARDED}
 
@@ -62,15 +79,15 @@ def test_decode_step_makes_no_host_round_trip(model, monkeypatch):
         return run
 
     with monkeypatch.context() as m:
-        for module in (dsa.model.attention, dsa.indexer.lightning, dsa.model.plan):  # the ops these modules call
-            for name, value in vars(module).items():
-                if callable(value) and getattr(value, "__module__", "").startswith(("dsa.kernels", "dsa.cache")):
+        for module in (dsa.model.attention, dsa.indexer.lightning, dsa.model.plan, dsa.cache.storage):
+            for name, value in vars(module).items():  # the kernel ops these modules call (CPU references may sync)
+                if callable(value) and getattr(value, "__module__", "").startswith("dsa.kernels"):
                     m.setattr(module, name, op(value))
         for name in GUARDED:
             m.setattr(torch.Tensor, name, guard(name))
         m.setattr(torch, "tensor", guard("torch.tensor"))
         result = engine.runner.run(batch)  # plan (host ints, one upload) + every layer
-    assert result.logits.shape == (3, model.config.vocab_size) and torch.isfinite(result.logits).all()
+    assert result.logits.shape == (len(batch), model.config.vocab_size) and torch.isfinite(result.logits).all()
 
 
 def test_one_plan_per_step_read_by_every_layer(model, monkeypatch):

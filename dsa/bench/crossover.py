@@ -53,7 +53,7 @@ def run(device, timer, ceilings, args) -> list:
 
             def absorbed():
                 o, _ = dense_mla_decode(attn.absorbed_query(q_nope, q_pe).unsqueeze(0), cache.data,
-                                        seg.block_table, seg.seq_len_t, attn.softmax_scale)
+                                        seg.block_table, seg.seq_len, attn.softmax_scale)
                 return attn._up_v(o[0])
 
             ref = mha().float()

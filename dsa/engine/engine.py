@@ -49,6 +49,7 @@ class EngineStats:
     graph_steps: int = 0  # steps replayed from a CUDA graph
     tokens: int = 0  # rows computed (prompt and generated tokens)
     generated_tokens: int = 0
+    preemptions: int = 0  # running requests that gave their blocks back to recompute later
     blocks_in_use: int = 0  # cache blocks held by requests now
     prefix: PrefixStats = field(default_factory=PrefixStats)  # the prefix cache's counters now
 
@@ -245,29 +246,30 @@ class Engine:
     def _step(self) -> tuple:
         """``(whether anything was scheduled, {request id: [tokens]})``."""
         with self.lock:
-            batch = self.scheduler.schedule()
-            if not batch:
+            out = self.scheduler.schedule()
+            s = self._stats
+            s.preemptions += len(out.preempted)
+            if not out:
                 return False, {}
-            result = self.runner.run(batch)
-            reqs = [r for r, _ in batch]
+            result = self.runner.run(out)
+            reqs = out.requests
             tokens, logprobs = self.sampler(result.logits, [r.sampling for r in reqs], [r.seed for r in reqs],
                                             [len(r.tokens) for r in reqs])
             produced = {}
-            for (req, n), tok, lp in zip(batch, tokens, logprobs):
+            s.prefill_chunks += sum(1 for r in reqs if r.prefilling)
+            for req, n, tok, lp in zip(reqs, out.num_rows, tokens, logprobs):
                 self.scheduler.advance(req, n)
                 if req.computed < len(req.tokens):
-                    continue  # a prefill chunk that did not reach the end of the prompt
+                    continue  # a prefill chunk that did not reach the last token
                 req.tokens.append(tok)
                 produced[req.rid] = [tok]
                 self._advance(req, tok, lp)
-            s = self._stats
             for path, rows in result.rows.items():
                 s.rows[path] += rows
-            s.prefill_chunks += sum(1 for r, n in batch if r.computed - n < r.prompt_len)
             s.peak_workspace_bytes = max(s.peak_workspace_bytes, result.workspace_bytes)
             s.steps += 1
             s.graph_steps += result.graph
-            s.tokens += sum(n for _, n in batch)
+            s.tokens += out.num_tokens
             s.generated_tokens += len(produced)
             return True, produced
 

@@ -45,6 +45,42 @@ class StepResult:
     graph: bool  # replayed from a CUDA graph
 
 
+class BlockTables:
+    """The running requests' block tables on the host, one row each, kept across steps: a request's
+    row is filled when it is admitted and extended as it gets blocks, so a step's tables are one
+    fancy index (no loop over each request's blocks)."""
+
+    def __init__(self, max_blocks: int, rows: int = 64):
+        self.table = np.zeros((rows, max_blocks), np.int32)
+        self.width = np.zeros(rows, np.int64)  # blocks written in each row
+        self.row_of: dict = {}  # rid -> row
+        self.free_rows = list(range(rows - 1, -1, -1))
+
+    def sync(self, req) -> int:
+        """``req``'s row, with its blocks added since the last step written in."""
+        row = self.row_of.get(req.rid)
+        if row is None:
+            if not self.free_rows:  # twice the rows
+                n = len(self.table)
+                self.table = np.concatenate((self.table, np.zeros_like(self.table)))
+                self.width = np.concatenate((self.width, np.zeros_like(self.width)))
+                self.free_rows = list(range(2 * n - 1, n - 1, -1))
+            row = self.row_of[req.rid] = self.free_rows.pop()
+            self.table[row, :self.width[row]] = 0  # nothing of the row's last request stays
+            self.width[row] = 0
+        w, n = self.width[row], len(req.blocks)
+        if n > w:
+            self.table[row, w:n] = req.blocks[w:]
+            self.width[row] = n
+        return row
+
+    def release(self, rid: int) -> None:
+        """A request finished, was aborted or preempted: its row is free (a resumed request gets a new one)."""
+        row = self.row_of.pop(rid, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -66,29 +102,37 @@ class ModelRunner:
         self.use_graphs = possible if cuda_graphs is None else bool(cuda_graphs)
         self.graphs: dict = {}  # (rows bucket, context bucket) -> _Graph
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.plan_options = model.plan_options()  # the same every step
+        self.tables = BlockTables(cdiv(model.config.max_position_embeddings, model.config.block_size))
 
-    def run(self, batch: list) -> StepResult:
-        """``batch``: ``[(request, new rows)]``; the rows are ``request.tokens[computed : computed + n]``."""
-        q = [n for _, n in batch]
-        c = [r.computed for r, _ in batch]
-        tables = [r.block_array for r, _ in batch]
-        if all(n == 1 for n in q):
-            ids = np.fromiter((r.tokens[r.computed] for r, _ in batch), dtype=np.int32, count=len(batch))
+    def run(self, out) -> StepResult:
+        """Run a :class:`~dsa.engine.scheduler.SchedulerOutput`: request ``i`` computes the rows of
+        ``tokens[computed : computed + num_rows[i]]``."""
+        for rid in out.finished:
+            self.tables.release(rid)
+        reqs, q = out.requests, out.num_rows
+        rows = np.fromiter((self.tables.sync(r) for r in reqs), dtype=np.int64, count=len(reqs))
+        c = [r.computed for r in reqs]
+        decode_only = all(n == 1 for n in q)
+        if decode_only:
+            ids = np.fromiter((r.tokens[r.computed] for r in reqs), dtype=np.int32, count=len(reqs))
         else:
-            ids = np.concatenate([np.asarray(r.tokens[r.computed:r.computed + n], dtype=np.int32) for r, n in batch])
-        opts = self.model.plan_options()
-        if self.use_graphs and all(n == 1 for n in q) and batch_bucket(len(q)) is not None:
-            p = self.model.config.block_size
-            rows, ctx = batch_bucket(len(q)), context_bucket(max(c) + 1, p)
-            host = HostPlan.pack(q, c, tables, p, self.model.device, input_ids=ids, num_rows=rows, max_seq_len=ctx,
-                                 num_block_columns=ctx // p, **opts)
-            g = self.graphs.get((rows, ctx)) or self._capture(host, rows, ctx)
+            ids = np.concatenate([np.asarray(r.tokens[r.computed:r.computed + n], dtype=np.int32)
+                                  for r, n in zip(reqs, q)])
+        opts = self.plan_options
+        p = self.model.config.block_size
+        if self.use_graphs and decode_only and batch_bucket(len(q)) is not None:
+            bucket, ctx = batch_bucket(len(q)), context_bucket(max(c) + 1, p)
+            host = HostPlan.pack(q, c, self.tables.table[rows, :ctx // p], p, self.model.device, input_ids=ids,
+                                 num_rows=bucket, max_seq_len=ctx, num_block_columns=ctx // p, **opts)
+            g = self.graphs.get((bucket, ctx)) or self._capture(host, bucket, ctx)
             if host.spec != g.spec:
                 raise AssertionError("a graph bucket's plan layout changed")
             host.upload(g.buf)
             g.graph.replay()
             return StepResult(g.logits[:len(q)], host.rows, 0, True)
-        plan = BatchPlan.build(q, c, tables, self.model.config.block_size, self.model.device, input_ids=ids, **opts)
+        width = max(self.tables.width[rows].max(initial=1), 1)
+        plan = BatchPlan.build(q, c, self.tables.table[rows, :width], p, self.model.device, input_ids=ids, **opts)
         logits = self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
         return StepResult(logits, plan.rows, plan.workspace_bytes, False)
 
@@ -145,7 +189,7 @@ class ModelRunner:
         for t, ctx in prefill:
             table = (np.arange(cdiv(ctx + t, p)) % num_blocks)[None].astype(np.int32)
             ids = np.zeros(t, np.int32)
-            plan = BatchPlan.build([t], [ctx], table, p, self.model.device, input_ids=ids, **self.model.plan_options())
+            plan = BatchPlan.build([t], [ctx], table, p, self.model.device, input_ids=ids, **self.plan_options)
             self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
             bar.update()
         graphs = 0
@@ -157,7 +201,7 @@ class ModelRunner:
             else:
                 table = np.zeros((b, ctx // p), np.int32)
                 plan = BatchPlan.build([1] * b, [ctx - 1] * b, table, p, self.model.device,
-                                       input_ids=np.zeros(b, np.int32), **self.model.plan_options())
+                                       input_ids=np.zeros(b, np.int32), **self.plan_options)
                 self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
             bar.update()
         bar.close()
@@ -170,7 +214,7 @@ class ModelRunner:
         p = self.model.config.block_size
         return HostPlan.pack([], [], np.zeros((0, ctx // p), np.int32), p, self.model.device,
                              input_ids=np.zeros(0, np.int32), num_rows=rows, max_seq_len=ctx,
-                             num_block_columns=ctx // p, **self.model.plan_options())
+                             num_block_columns=ctx // p, **self.plan_options)
 
 
 def _reserved(device: torch.device) -> int:

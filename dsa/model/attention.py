@@ -87,13 +87,11 @@ class DSAAttention(nn.Module):
             o, _ = sparse_mla(q_abs[sparse_rows], latent.data, step.selection.prefill, self.softmax_scale)
             out[sparse_rows] = self._up_v(o)
         for seg in plan.absorbed:
-            rows = slice(seg.row0, seg.row1)
-            o, _ = dense_mla_decode(q_abs[rows].unsqueeze(0), latent.data, seg.block_table, seg.seq_len_t,
+            o, _ = dense_mla_decode(q_abs[seg.rows].unsqueeze(0), latent.data, seg.block_table, seg.seq_len,
                                     self.softmax_scale)
-            out[rows] = self._up_v(o[0])
+            out[seg.rows] = self._up_v(o[0])
         for seg in plan.mha:
-            rows = slice(seg.row0, seg.row1)
-            out[rows] = self._mha(q_nope[rows], q_pe[rows], seg, latent)
+            out[seg.rows] = self._mha(q_nope[seg.rows], q_pe[seg.rows], seg, latent)
         return self._out(out)
 
     def _out(self, out: torch.Tensor) -> torch.Tensor:
@@ -138,7 +136,7 @@ class DSAAttention(nn.Module):
         """Up-projected MHA for one request's dense prefill rows (SDPA, bottom-right causal mask).
         Its workspace (the up-projected K/V, the keys, V padded) is bounded by the plan."""
         c = self.config
-        h, s = self.num_heads, seg.seq_len
+        h, s = self.num_heads, seg.num_keys
         rows = gather_latent_rows(latent.data, seg.slots.long(), q_nope.dtype)  # [S, 576]
         kv = F.linear(rows[:, :c.kv_lora_rank], self.kv_b_proj.weight).view(s, h, -1)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
@@ -151,6 +149,6 @@ class DSAAttention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         else:  # query i sits at position pos0 + i and sees keys [0, pos0 + i]: bottom-right aligned
             pos = torch.arange(s, device=q.device)
-            mask = pos[None, :] <= (seg.pos0 + torch.arange(seg.rows, device=q.device))[:, None]
+            mask = pos[None, :] <= (seg.pos0 + torch.arange(seg.num_rows, device=q.device))[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
         return o[0, ..., :c.v_head_dim].transpose(0, 1)

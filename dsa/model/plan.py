@@ -33,26 +33,6 @@ from dsa.model.dispatch import Dispatch
 PATHS = ("sparse_decode", "dense_decode", "sparse_prefill", "dense_prefill_mha", "dense_prefill_absorbed")
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Dense prefill rows ``[row0, row1)`` of request ``req`` at positions ``pos0 ..``."""
-    req: int
-    row0: int
-    row1: int
-    pos0: int
-    block_table: torch.Tensor  # [1, MB] int32
-    seq_len_t: torch.Tensor  # [1] int32, pos0 + rows: positions visible to the segment's last row
-    slots: torch.Tensor | None  # [S] int32 slots of positions 0 .. S-1 (the MHA path gathers them)
-
-    @property
-    def rows(self) -> int:
-        return self.row1 - self.row0
-
-    @property
-    def seq_len(self) -> int:
-        return self.pos0 + self.rows
-
-
 class _Packer:
     """Host int32 arrays packed into one buffer; ``upload`` copies it once and returns device views."""
 
@@ -84,16 +64,18 @@ def _view(buf: torch.Tensor, spec: tuple) -> torch.Tensor:
 
 
 def _block_array(block_tables, batch: int, width: int | None) -> np.ndarray:
+    """``[batch, width]`` int32 block tables (width: the longest row, or a graph bucket's: columns
+    past it are never read, S <= width * P), from a 2-D array or one sequence per request."""
     if isinstance(block_tables, (torch.Tensor, np.ndarray)):
         tables = block_tables.detach().cpu().numpy() if isinstance(block_tables, torch.Tensor) else block_tables
         if tables.ndim != 2 or tables.shape[0] != batch:
             raise ValueError(f"block_tables: expected [B={batch}, MB], got {list(tables.shape)}")
-        rows = tables
-    else:
-        rows = [t if isinstance(t, np.ndarray) else np.asarray(t, dtype=np.int64).reshape(-1) for t in block_tables]
-        if len(rows) != batch:
-            raise ValueError(f"block_tables: expected {batch} rows (one per request), got {len(rows)}")
-    # a graph bucket's width: columns past it are never read (S <= width * P)
+        width = max(tables.shape[1], 1) if width is None else width
+        out = tables[:, :width].astype(np.int32, copy=False)
+        return np.pad(out, ((0, 0), (0, width - out.shape[1]))) if out.shape[1] < width else out
+    rows = [t if isinstance(t, np.ndarray) else np.asarray(t, dtype=np.int64).reshape(-1) for t in block_tables]
+    if len(rows) != batch:
+        raise ValueError(f"block_tables: expected {batch} rows (one per request), got {len(rows)}")
     width = width if width is not None else max([len(r) for r in rows] + [1])
     out = np.zeros((batch, width), dtype=np.int32)
     for i, r in enumerate(rows):
@@ -122,8 +104,8 @@ class BatchPlan:
     indexer: IndexerBatch  # what the indexer layers read
     decode: DecodeRows | None  # the decode rows (also indexer.decode)
     sparse_prefill_rows: torch.Tensor | None  # [rows] int64 rows of indexer.prefill, in order
-    mha: tuple  # Segment: dense prefill rows through up-projected MHA
-    absorbed: tuple  # Segment: dense prefill rows through the absorbed kernel
+    mha: tuple  # PrefillRows: dense prefill rows through up-projected MHA
+    absorbed: tuple  # PrefillRows: dense prefill rows through the absorbed kernel
     rows: dict  # host: rows per PATHS entry
     workspace_bytes: int  # host: the largest MHA workspace of the step
 
@@ -164,7 +146,7 @@ class HostPlan:
     decode_reqs: list
     contiguous: bool  # decode rows are rows 0 .. R-1
     dense_segs: list  # (req, row0, row1, pos0, mha)
-    sparse_segs: list  # (req, row0, row1)
+    sparse_segs: list  # (req, row0, row1, pos0)
     rows: dict
     workspace_bytes: int
     spec: dict  # name -> (offset, shape) in the packed buffer
@@ -241,7 +223,7 @@ class HostPlan:
                 rows["dense_prefill_mha" if mha else "dense_prefill_absorbed"] += dense
                 workspace = max(workspace, s * mha_kv_bytes_per_token if mha else 0)
             if dense < q[i]:
-                sparse_segs.append((i, int(first_row[i]) + dense, int(first_row[i] + q[i])))
+                sparse_segs.append((i, int(first_row[i]) + dense, int(first_row[i] + q[i]), int(c[i]) + dense))
                 rows["sparse_prefill"] += int(q[i]) - dense
         decode_reqs += list(range(real, b))  # padding rows are decode rows too
 
@@ -257,7 +239,7 @@ class HostPlan:
             spec["decode_reqs"] = pack.add(decode_reqs)
         if dense_segs:  # each dense segment's own context: its last row's position + 1
             spec["dense_seq"] = pack.add([pos0 + r1 - r0 for _, r0, r1, pos0, _ in dense_segs])
-        sparse_rows = [r for _, r0, r1 in sparse_segs for r in range(r0, r1)]
+        sparse_rows = [r for _, r0, r1, _ in sparse_segs for r in range(r0, r1)]
         if sparse_rows:
             spec["sparse_rows"] = pack.add(sparse_rows)
         return cls(q, c, real, block_size, index_topk, max_seq_len, device, decode_reqs, contiguous, dense_segs,
@@ -288,8 +270,8 @@ class HostPlan:
                                            .expand(r, -1), d_table, row_ids, d_lens, block_size)
             decode = DecodeRows(d_rows, d_table, d_lens, row_ids, self.max_seq_len, every)
         valid, zeros = _view(buf, spec["valid"]), _view(buf, spec["zeros"])
-        prefill = tuple(PrefillRows(slice(r0, r1), block_table[i:i + 1], seq_lens[i:i + 1], valid[r0:r1], zeros[r0:r1])
-                        for i, r0, r1 in self.sparse_segs)
+        prefill = tuple(PrefillRows(i, r0, r1, pos0, block_table[i:i + 1], seq_lens[i:i + 1], valid[r0:r1])
+                        for i, r0, r1, pos0 in self.sparse_segs)
         mha, absorbed = [], []
         dense_seq = _view(buf, spec["dense_seq"]) if self.dense_segs else None
         for j, (i, r0, r1, pos0, use_mha) in enumerate(self.dense_segs):
@@ -297,11 +279,12 @@ class HostPlan:
             if use_mha:
                 slots = positions_to_slots(torch.arange(pos0 + r1 - r0, dtype=torch.int32, device=device)[None],
                                            block_table[i:i + 1], zeros[:1], seq_len, block_size)[0]
-            (mha if use_mha else absorbed).append(Segment(i, r0, r1, pos0, block_table[i:i + 1], seq_len, slots))
+            (mha if use_mha else absorbed).append(PrefillRows(i, r0, r1, pos0, block_table[i:i + 1], seq_len,
+                                                              valid[r0:r1], slots))
         real = self.real
         return BatchPlan(tuple(int(v) for v in self.q[:real]), tuple(int(v) for v in self.c[:real]), block_size,
                          self.max_seq_len, _view(buf, spec["ids"]) if "ids" in spec else None, positions, slot_mapping,
                          row_to_req, block_table, seq_lens, _view(buf, spec["logits_rows"]).long(),
-                         IndexerBatch(positions, slot_mapping, decode, prefill), decode,
+                         IndexerBatch(positions, slot_mapping, decode, prefill, zeros), decode,
                          _view(buf, spec["sparse_rows"]).long() if "sparse_rows" in spec else None, tuple(mha),
                          tuple(absorbed), dict(self.rows), self.workspace_bytes)
