@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TRITON_INTERPRET, check_int, resolve_backend
-from .indexer_logits_paged import (_check_paged_args, _check_triton_limits, _group_queries, _num_sms, _paged_config,
+from .common import TRITON_INTERPRET, check_int, resolve_backend, sm_count
+from .indexer_logits_paged import (_check_paged_args, _check_triton_limits, _group_queries, _paged_config,
                                    _tile_logits, indexer_logits_paged_reference)
 from .topk import topk_slots_reference
 from .topk_select import (_INT_MIN, _MAX_FAST_REGIONS, _SEG, _Z, _finish_fast, _finish_tiles, _gather_fronts,
@@ -284,7 +284,7 @@ def _indexer_topk_paged_triton(q8, weights, index_cache, block_table, seq_lens, 
     groups = triton.cdiv(n, g)
     tiles = triton.cdiv(width, block_s)
     # as indexer_logits_paged, but at most _MAX_FAST_REGIONS regions a row, so each row finishes in registers
-    tiles_per_prog = max(1, min(16, tiles * b * groups // (4 * _num_sms(device))), triton.cdiv(tiles, _MAX_FAST_REGIONS))
+    tiles_per_prog = max(1, min(16, tiles * b * groups // (4 * sm_count(device))), triton.cdiv(tiles, _MAX_FAST_REGIONS))
     splits = triton.cdiv(tiles, tiles_per_prog)
     span = tiles_per_prog * block_s
     i32 = dict(dtype=torch.int32, device=device)
