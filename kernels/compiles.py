@@ -15,9 +15,9 @@ in-memory kernel cache missed), and ``triton.knobs.compilation.listener``, calle
 being called. Under ``TRITON_INTERPRET=1`` nothing is compiled and neither hook fires: the counts
 stay 0. With Triton's async compile mode the disk-cache flag is not seen (counted as compiled).
 
-The key of a variant is short and readable: ``num_warps=4 num_stages=3; x_ptr:*bf16/16, n:i32, m=1,
-BLOCK=64`` (``/16``: specialized as a multiple of 16 (an address: 16-byte aligned); ``name=value``: a
-constexpr, or an int specialized as ``== 1``).
+The key of a variant is short and readable: ``num_warps=4 num_stages=3; x_ptr:*bf16/16, n:i32, m==1,
+BLOCK=64`` (``/16``: specialized as a multiple of 16 (an address: 16-byte aligned); ``m==1``: an int
+argument specialized as ``== 1``; ``BLOCK=64``: a constexpr parameter).
 """
 import threading
 
@@ -41,8 +41,9 @@ def _knobs():
     return knobs
 
 
-def _variant_key(compile_info: dict) -> str:
-    """The readable key of one variant from the ``compile`` dict Triton's JIT hooks receive."""
+def _variant_key(compile_info: dict, constexprs: set) -> str:
+    """The readable key of one variant from the ``compile`` dict Triton's JIT hooks receive;
+    ``constexprs``: the names of the kernel's ``constexpr`` parameters."""
     signature = compile_info["signature"]
     constants = {path[0]: value for path, value in compile_info["constants"].items() if len(path) == 1}
     attrs = compile_info["configs"][0] if compile_info.get("configs") else {}
@@ -50,7 +51,8 @@ def _variant_key(compile_info: dict) -> str:
     for i, (name, ty) in enumerate(signature.items()):
         if ty == "constexpr":
             value = constants.get(i)
-            parts.append(f"{name}={getattr(value, 'value', value)}")
+            value = getattr(value, "value", value)
+            parts.append(f"{name}={value}" if name in constexprs else f"{name}=={value}")  # == : an int == 1
         else:
             aligned = any(a[0] == "tt.divisibility" for a in attrs.get((i,), ()))
             parts.append(f"{name}:{ty}{'/16' if aligned else ''}")
@@ -65,8 +67,9 @@ def _compile_listener(**kwargs):
 
 def _post_compile(**kwargs):
     global _disk_hits
-    name = kwargs["fn"].name
-    key = _variant_key(kwargs["compile"])
+    fn = kwargs["fn"]
+    name = fn.name
+    key = _variant_key(kwargs["compile"], {p.name for p in fn.jit_function.params if p.is_constexpr})
     disk = getattr(_flag, "cache_hit", False)
     _flag.cache_hit = False
     with _lock:

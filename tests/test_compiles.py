@@ -223,7 +223,7 @@ def test_hooks_count_each_variant_once_and_chain(tmp_path):
     assert sorted(by_kernel["specialized"]) == [
         "num_warps=4 num_stages=3; x_ptr:*fp32/16, n:i32, B=16",
         "num_warps=4 num_stages=3; x_ptr:*fp32/16, n:i32/16, B=16",
-        "num_warps=4 num_stages=3; x_ptr:*fp32/16, n=1, B=16"]
+        "num_warps=4 num_stages=3; x_ptr:*fp32/16, n==1, B=16"]
     assert by_kernel["runtime"] == ["num_warps=4 num_stages=3; x_ptr:*fp32/16, n:i32, B=16"]
     _, total = _run_hook_script(tmp_path, tmp_path / "cache")
     assert total == ["4", "DISK", "4", "EARLIER", "4", "SEEN", "4"], total
