@@ -76,8 +76,8 @@ def _post_compile(**kwargs):
         _counts[(name, key)] = _counts.get((name, key), 0) + 1
         _disk_hits += disk
         listeners = list(_listeners)
-    for fn in listeners:
-        fn(name, key)
+    for listener in listeners:
+        listener(name, key)
     if _chained["post_compile"] is not None:
         return _chained["post_compile"](**kwargs)
     return None
