@@ -1,4 +1,5 @@
 """Input validation and backend choice shared by the public ops of ``dsa.kernels``."""
+import functools
 import math
 import numbers
 import os
@@ -79,6 +80,24 @@ def check_real(name: str, value, *, positive: bool = False) -> float:
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for ints or integer arrays (``b > 0``): blocks for ``a`` tokens, tiles for ``a`` columns."""
     return -(-a // b)
+
+
+# The SM count the launchers size their grids by off CUDA (only the interpreter launches there): small,
+# so the tests' grids split their work over programs as on a GPU.
+INTERPRETER_SM_COUNT = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (cached per device index), or
+    :data:`INTERPRETER_SM_COUNT` for any other device."""
+    if device.type != "cuda":
+        return INTERPRETER_SM_COUNT
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def check_block_size(block_size, *, name: str = "block_size") -> int:

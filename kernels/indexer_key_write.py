@@ -69,7 +69,7 @@ def ue8m0_quant_rows(x):
     return v8, scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_slots"], do_not_specialize_on_alignment=["slot_ptr"])
 def _indexer_key_write_kernel(k_ptr, stride_kt, slot_ptr, val_ptr, scale_ptr, num_tokens, num_slots, stride_block,
                               hadamard_scale, P: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr,
                               BLOCK_T: tl.constexpr, HADAMARD: tl.constexpr):
@@ -100,6 +100,9 @@ def _indexer_key_write_triton(index_cache, k, slot_mapping, block_size, hadamard
     k = k.contiguous()
     slot_mapping = slot_mapping.contiguous()
     block_t = 16
+    # one variant per (P, DI, HADAMARD): the ints that specialize are stride_kt (= DI, k is contiguous) and
+    # stride_block (P * (DI + 4) bytes), fixed by the model; num_tokens (per step) and num_slots are runtime
+    # values, and slot_mapping (a view at any int32 offset) is not specialized on its alignment
     _indexer_key_write_kernel[(triton.cdiv(t, block_t),)](
         k, k.stride(0), slot_mapping, index_cache, index_cache.view(torch.float32), t,
         index_cache.shape[0] * block_size, index_cache.stride(0), di ** -0.5, P=block_size, D=di, LOG2_D=di.bit_length() - 1, BLOCK_T=block_t,

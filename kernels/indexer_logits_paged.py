@@ -4,15 +4,14 @@ Ids outside their range read nothing: a position whose block id (``block_table[b
 outside ``[0, NB)``, or whose page is past the block table, is invalid (``-inf``), on every backend,
 without a host sync.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deepgemm
-from .common import check_block_size, check_int, check_same_device, check_tensor, compute_dtype, resolve_backend
+from .common import (check_block_size, check_int, check_same_device, check_tensor, compute_dtype, resolve_backend,
+                     sm_count)
 from .layouts import INDEXER_SCALE_BYTES, indexer_cache_views
 
 
@@ -86,7 +85,8 @@ def _tile_logits(k, k_scale, q_t, w, BLOCK_S: tl.constexpr, G_PAD: tl.constexpr,
     return tl.sum(tl.reshape(score, [BLOCK_S, G_PAD, HI_PAD]), axis=2) * k_scale[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table", "num_table_blocks", "num_blocks", "width", "tiles_per_prog"],
+            do_not_specialize_on_alignment=["w_ptr", "table_ptr", "lens_ptr"])
 def _indexer_logits_paged_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr, stride_block,
                                  stride_table, num_table_blocks, num_blocks, width, tiles_per_prog,
                                  N: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
@@ -143,7 +143,8 @@ def _indexer_logits_paged_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, le
         tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=row_ok[None, :] & (pos < s_end)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table", "num_table_blocks", "num_blocks", "width", "tiles_per_prog"],
+            do_not_specialize_on_alignment=["w_ptr", "table_ptr", "lens_ptr"])
 def _indexer_logits_paged_tma_kernel(q_ptr, w_ptr, val_desc, scale_desc, table_ptr, lens_ptr, out_ptr, stride_table,
                                      num_table_blocks, num_blocks, width, tiles_per_prog,
                                      N: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
@@ -184,11 +185,6 @@ def _indexer_logits_paged_tma_kernel(q_ptr, w_ptr, val_desc, scale_desc, table_p
     for tile in range(compute_tiles, tiles_per_prog):
         pos = s_begin + tile * P + tl.arange(0, P)
         tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=row_ok[None, :] & (pos < s_end)[:, None])
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _paged_config(n: int, hi: int) -> tuple[int, int, int, int, int]:
@@ -233,9 +229,14 @@ def _indexer_logits_paged_triton(q8, weights, index_cache, block_table, seq_lens
     programs = b * triton.cdiv(n, g)
     tiles = triton.cdiv(width, block_s)
     # enough programs to fill the GPU `waves` times over, at most `max_tiles` tiles each (fixed by shapes)
-    tiles_per_prog = max(1, min(max_tiles, tiles * programs // (waves * _num_sms(q8.device))))
+    tiles_per_prog = max(1, min(max_tiles, tiles * programs // (waves * sm_count(q8.device))))
     grid = (programs, triton.cdiv(tiles, tiles_per_prog))
     shape = dict(N=n, HI=hi, G=g, G_PAD=g_pad, HI_PAD=hi_pad, P=block_size, D=di)
+    # one variant per (shape, tma, stages): the one int that specializes is stride_block (P * (DI + 4) bytes,
+    # fixed by the model). The table's stride and width, NB, the width W and tiles_per_prog change per step:
+    # runtime values (the logits' row starts are then not known to be 16-byte aligned, so their stores are
+    # not vectorized); the weights, block table and seq_lens (views of the step's plan at any offset) are
+    # not specialized on their alignment either.
     if tma:
         nb, p = index_cache.shape[0], block_size
         val = TensorDescriptor(index_cache.view(torch.float8_e4m3fn), [nb, p, di], [p * (di + 4), di, 1], [1, p, di])

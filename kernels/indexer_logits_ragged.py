@@ -1,5 +1,4 @@
 """indexer_logits_ragged: prefill-row indexer logits against contiguous keys, per-row [start, end)."""
-import functools
 
 import torch
 import triton
@@ -7,7 +6,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deepgemm
-from .common import check_same_device, check_tensor, compute_dtype, resolve_backend
+from .common import check_same_device, check_tensor, compute_dtype, resolve_backend, sm_count
 
 
 def indexer_logits_ragged_reference(q8, weights, k8, k_scale, starts, ends):
@@ -28,7 +27,8 @@ def indexer_logits_ragged_reference(q8, weights, k8, k_scale, starts, ends):
     return logits
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_keys", "tiles_per_prog"],
+            do_not_specialize_on_alignment=["w_ptr", "starts_ptr", "ends_ptr"])
 def _indexer_logits_ragged_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, starts_ptr, ends_ptr, out_ptr, num_tokens,
                                   num_keys, tiles_per_prog, HI: tl.constexpr, HI_PAD: tl.constexpr,
                                   BLOCK_T: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, TMA: tl.constexpr,
@@ -87,11 +87,6 @@ def _indexer_logits_ragged_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, starts_ptr, ends_
         tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=t_ok[None, :] & (pos < s_end)[:, None])
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, *, block_s=64, block_t=None, num_warps=8,
                                   stages=3, tma=False, waves=2):
     """The launch. Tuning knobs (private; ``dsa bench indexer --variants`` sweeps them): ``block_s``
@@ -111,10 +106,14 @@ def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, *, blo
     hi_pad = max(16, triton.next_power_of_2(hi))
     block_t = max(1, 256 // hi_pad) if block_t is None else block_t
     t_tiles, s_tiles = triton.cdiv(t, block_t), triton.cdiv(s, block_s)
-    splits = max(1, min(s_tiles, triton.cdiv(waves * _num_sms(q8.device), t_tiles)))
+    splits = max(1, min(s_tiles, triton.cdiv(waves * sm_count(q8.device), t_tiles)))
     tiles_per_prog = triton.cdiv(s_tiles, splits)
     grid = (t_tiles, triton.cdiv(s_tiles, tiles_per_prog))
     keys, scales = k8, k_scale
+    # one variant per (HI, DI, tiles, tma): T, S and tiles_per_prog change per step (runtime values, so the
+    # logits' row starts are not known to be aligned); q8 rows are HI * DI >= 32 bytes, so any row slice
+    # q8[r0:r1] stays 16-byte aligned, but weights rows (HI * 4 bytes), starts and ends (plan views at any
+    # int32 offset) may not: those three are not specialized on their alignment
     if tma and di in (64, 128) and k8.data_ptr() % 16 == 0 and k_scale.data_ptr() % 16 == 0:
         keys = TensorDescriptor(k8, [s, di], [di, 1], [block_s, di])
         scales = TensorDescriptor(k_scale, [s], [1], [block_s])

@@ -29,7 +29,7 @@ def indexer_query_prep_reference(q, w, hadamard):
     return q8, canonical_nan(weights)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _indexer_query_prep_kernel(q_ptr, w_ptr, q8_ptr, out_w_ptr, num_rows, folded, hadamard_scale,
                                D: tl.constexpr, LOG2_D: tl.constexpr, BLOCK_R: tl.constexpr,
                                HADAMARD: tl.constexpr):
@@ -58,6 +58,7 @@ def _indexer_query_prep_triton(q, w, hadamard):
     if rows == 0:
         return q8, weights
     block_r = 16
+    # one variant per (DI, HADAMARD): num_rows = T * HI changes per step (a runtime value); the scales are floats
     _indexer_query_prep_kernel[(triton.cdiv(rows, block_r),)](
         q, w, q8.view(torch.uint8), weights, rows, weight_scale(hi, di), di ** -0.5, D=di, LOG2_D=di.bit_length() - 1,
         BLOCK_R=block_r, HADAMARD=bool(hadamard), num_warps=4)

@@ -38,7 +38,7 @@ _NAN_BYTE = tl.constexpr(FP8_NAN_BYTE)
 _NAN_BITS = tl.constexpr(FP32_NAN_BITS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"], do_not_specialize_on_alignment=["slot_ptr"])
 def _latent_write_kernel(cache_ptr, kv_ptr, pe_ptr, slot_ptr, stride_kv, stride_pe, stride_cb, stride_cp, block_size,
                          num_slots, FP8: tl.constexpr):
     """One program per token: its row ``[kv_c | k_pe]`` to slot ``slot_mapping[t]`` (skipped outside
@@ -102,6 +102,9 @@ def latent_write(latent_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Ten
         return
     if latent_cache.stride(2) != 1 or kv_c.stride(1) != 1 or k_pe.stride(1) != 1:
         raise ValueError("latent_cache, kv_c, k_pe: expected unit stride along the last dim")
+    # one variant per cache format: the strides of kv_c, k_pe and the cache and the block size specialize
+    # (fixed by the model and the cache layout, multiples of 16 for the vectorized row copies); num_slots is
+    # a runtime value and slot_mapping is not specialized on its alignment
     _latent_write_kernel[(t,)](latent_cache, kv_c, k_pe, slot_mapping, kv_c.stride(0), k_pe.stride(0),
                                latent_cache.stride(0), latent_cache.stride(1), latent_cache.shape[1],
                                latent_cache.shape[0] * latent_cache.shape[1], FP8=fmt == "fp8", num_warps=4)

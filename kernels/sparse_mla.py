@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from . import sparse_mla_hopper as hopper
-from .common import FLOAT_DTYPES, check_real, check_same_device, check_tensor, compute_dtype, resolve_backend
+from .common import (FLOAT_DTYPES, check_real, check_same_device, check_tensor, compute_dtype, resolve_backend,
+                     sm_count)
 from .layouts import (KV_LORA_RANK, LATENT_DIM, LATENT_FP8_ROPE_OFFSET, LATENT_FP8_SCALE_OFFSET, LATENT_FP8_TILE,
                       latent_cache_format, latent_fp8_views)
 
@@ -91,7 +92,9 @@ def _load_latent_rows(cache_ptr, row_off, valid, FP8: tl.constexpr):
     return k0, k1, k2, k3, kpe
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS", "N", "K", "MB", "NUM_BLOCKS", "NUM_SLOTS", "TOTAL_ROWS", "SPLIT_LEN",
+                               "stride_slots", "stride_bt"],
+            do_not_specialize_on_alignment=["slots_ptr", "block_table_ptr", "seq_lens_ptr"])
 def _mla_attn_kernel(
         q_ptr, cache_ptr, slots_ptr, block_table_ptr, seq_lens_ptr,  # inputs
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,  # outputs (final, or per split)
@@ -187,7 +190,7 @@ def _mla_attn_kernel(
         tl.store(lse_ptr + row, lse2 * 0.6931471805599453, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TOTAL_ROWS", "NUM_SPLITS"])
 def _mla_combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, TOTAL_ROWS, NUM_SPLITS,
                         BLOCK_S: tl.constexpr):
     """Merge the splits of one query row by their log2-domain LSE: out bf16 [512], lse natural log."""
@@ -210,18 +213,7 @@ def _mla_combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, TOTAL_ROWS
     tl.store(lse_ptr + row, tl.where(empty, float("-inf"), (m_use + tl.log2(tl.where(empty, 1.0, w_sum))) * 0.6931471805599453))
 
 
-_SM_COUNT = {}
 MAX_SPLITS = 64  # programs one query row's keys are split over (the combine kernel reads them at once)
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors (a small fixed count under the interpreter, so tests split)."""
-    if device.type != "cuda":
-        return 8
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 def _tiles(device: torch.device, rows: int) -> tuple[int, int, int, int]:
@@ -257,7 +249,7 @@ def mla_attention_triton(q_rows, latent_cache, rows, groups, *, slots=None, bloc
     stages = num_stages or stages
     programs = groups * triton.cdiv(rows, block_h)
     max_splits = max(1, triton.cdiv(length, 2 * bn))  # at least 2 tiles of keys per split
-    splits = max(1, min(max_splits, MAX_SPLITS, _sm_count(device) // programs))
+    splits = max(1, min(max_splits, MAX_SPLITS, sm_count(device) // programs))
     split_len = max(bn, triton.cdiv(triton.cdiv(length, splits), bn) * bn)
     splits = max(1, triton.cdiv(length, split_len))
     dense = slots is None
@@ -274,6 +266,11 @@ def mla_attention_triton(q_rows, latent_cache, rows, groups, *, slots=None, bloc
         slots_arg, stride_slots, k = slots, slots.stride(0), slots.shape[1]
         bt_arg, sl_arg, stride_bt, mb = slots, slots, 0, 0
         h = rows
+    # one variant per (DENSE, FP8, SPLIT, tiles): the ints that specialize are H (the model's heads), the
+    # cache strides and P (fixed by the cache layout; its strides are multiples of 16, for the vectorized
+    # row gathers); rows, N, K, MB, NB, the slot count, the total rows, the split length and the slots' and
+    # table's strides are runtime values, and the int tables (plan views at any offset) are not
+    # specialized on their alignment. The combine kernel takes its two ints at run time.
     _mla_attn_kernel[(groups, triton.cdiv(rows, block_h), splits)](
         q_rows, latent_cache, slots_arg, bt_arg, sl_arg, out, lse, part_out, part_lse,
         float(softmax_scale) * LOG2E, rows, h, n, k, mb, latent_cache.shape[0],

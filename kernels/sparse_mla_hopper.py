@@ -25,6 +25,7 @@ this kernel has not run on (:data:`TESTED_TRITON`; it also compiles on 3.9).
 import torch
 import triton
 
+from .common import sm_count
 from .layouts import LATENT_FP8_ROPE_OFFSET, LATENT_FP8_SCALE_OFFSET
 
 try:  # Gluon's API moves between Triton releases; without it this path is simply not offered
@@ -420,9 +421,11 @@ if AVAILABLE:
         row0 = g * ROWS + hb * 64
         _finish(o, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sL, bars, row0, TOTAL_ROWS, 1, SPLIT)
 
-    # integer arguments are not specialized on their values: one compiled kernel per (DENSE, FP8, SPLIT)
+    # integer arguments are not specialized on their values, nor the int tables (views of the step's
+    # plan at any int32 offset) on their alignment: one compiled kernel per (DENSE, FP8, SPLIT)
     @gluon.jit(do_not_specialize=["ROWS", "H", "N", "K", "MB", "NB", "num_slots", "TOTAL_ROWS", "SPLIT_TILES",
-                                  "stride_slots", "stride_bt", "stride_cb", "stride_cp", "block_size"])
+                                  "stride_slots", "stride_bt", "stride_cb", "stride_cp", "block_size"],
+               do_not_specialize_on_alignment=["slots_ptr", "block_table_ptr", "seq_lens_ptr"])
     def _mla_hopper_kernel(q_ptr, cache_ptr, slots_ptr, block_table_ptr, seq_lens_ptr,
                            out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, scale_log2,
                            ROWS, H, N, K, MB, NB, num_slots, TOTAL_ROWS, SPLIT_TILES,
@@ -476,7 +479,7 @@ def mla_attention_hopper(q_rows, latent_cache, rows, groups, *, slots=None, bloc
     split the key tiles over programs and merge them by LSE (the portable kernel's merge); ``splits``
     overrides that choice (for measurements).
     Returns ``(out [groups * rows, 512] bf16, lse [groups * rows] fp32)``."""
-    from .sparse_mla import MAX_SPLITS, _mla_combine_kernel, _sm_count
+    from .sparse_mla import MAX_SPLITS, _mla_combine_kernel
     device = q_rows.device
     if q_rows.data_ptr() % 16 != 0:  # rows are copied 16 bytes at a time
         q_rows = q_rows.clone()
@@ -488,7 +491,7 @@ def mla_attention_hopper(q_rows, latent_cache, rows, groups, *, slots=None, bloc
     programs = groups * (rows // BLOCK_H)
     tiles = triton.cdiv(length, BLOCK_N)
     if splits is None:  # at least one pair of tiles a split
-        splits = max(1, min(_sm_count(device) // programs, triton.cdiv(tiles, 2), MAX_SPLITS))
+        splits = max(1, min(sm_count(device) // programs, triton.cdiv(tiles, 2), MAX_SPLITS))
     split_tiles = max(2, 2 * triton.cdiv(triton.cdiv(tiles, splits), 2))
     splits = max(1, triton.cdiv(tiles, split_tiles))
     if splits > 1:
@@ -505,6 +508,9 @@ def mla_attention_hopper(q_rows, latent_cache, rows, groups, *, slots=None, bloc
         slots_arg, stride_slots, k = slots, slots.stride(0), slots.shape[1]
         bt_arg, sl_arg, stride_bt, mb = slots, slots, 0, 0
         h = rows
+    # one variant per (DENSE, FP8, SPLIT): no int argument specializes (the kernel's do_not_specialize),
+    # q_rows is copied above when it is not 16-byte aligned and the int tables are not specialized on
+    # their alignment
     _mla_hopper_kernel[(groups, rows // BLOCK_H, splits)](
         q_rows, latent_cache, slots_arg, bt_arg, sl_arg, out, lse, part_out, part_lse,
         float(softmax_scale) * 1.4426950408889634, rows, h, n, k, mb, nb, nb * block_size, total,

@@ -97,7 +97,8 @@ _MIN_CHUNK = 4096  # columns per program at least: every program pays for the sa
 _SAMPLE = 512  # sample columns per row, read in runs of _SEG (every scan program reads it: the guess)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_l", "stride_c", "stride_bt", "B", "MB", "L", "C", "CAP"],
+            do_not_specialize_on_alignment=["lengths_ptr", "starts_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"])
 def _scan_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_o, cand_ptr, stride_c,
                  cnt_ptr, hist_ptr, guess_ptr, bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P,
                  L, k, C, CAP,
@@ -141,7 +142,8 @@ def _scan_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_
             tl.store(guess_ptr + r * 4 + 1, shift)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_l", "stride_c", "stride_bt", "B", "MB", "L", "C", "CAP"],
+            do_not_specialize_on_alignment=["lengths_ptr", "starts_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"])
 def _finish_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_o, cand_ptr, stride_c, cnt_ptr,
                    guess_ptr, bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P, L, k, C, CAP,
                    HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
@@ -202,6 +204,11 @@ def _topk_triton(logits, lengths, k, starts, slots=None, *, block=_BLOCK, progra
         bt, row_to_req, seq_lens, block_size = slots
         bt, row_to_req, seq_lens = bt.contiguous(), row_to_req.contiguous(), seq_lens.contiguous()
     table = (bt, bt.stride(0), row_to_req, seq_lens, bt.shape[0], bt.shape[1], block_size)
+    # one variant per (k, P, flags, tiles) and kernel: the ints that specialize are k, P and stride_o (= k:
+    # the output is fresh), fixed by the model; the logits' stride and width, the regions C and their CAP,
+    # the candidates' and table's strides, B and MB change per step: runtime values (so the scan's logits
+    # loads are not known to be aligned). lengths, starts and the slot tables (plan views at any offset)
+    # are not specialized on their alignment.
     flags = dict(HAS_STARTS=starts is not None, SLOTS=slots is not None)
     _scan_kernel[(r, chunks)](
         logits, logits.stride(0), lengths, starts_t, out, out.stride(0), cand, cand.stride(0), cnt, hist, guess,

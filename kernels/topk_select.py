@@ -274,7 +274,8 @@ def _threshold(hist_row, C, k, before):
     return tl.sum(h, 0) >= k, b, rem, n_gt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "stride_c", "stride_bt", "B", "MB", "C", "CAP"],
+            do_not_specialize_on_alignment=["lengths_ptr", "starts_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"])
 def _place_kernel(lengths_ptr, starts_ptr, window, out_ptr, stride_o, cand_ptr, stride_c, cnt_ptr, hist_ptr,
                   guess_ptr, bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P, k, C, CAP,
                   HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr, ROW_DIV: tl.constexpr, LBLOCK: tl.constexpr):
