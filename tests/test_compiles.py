@@ -52,15 +52,13 @@ ENTRY_KERNELS = {
     ("topk_select", "_place_kernel"): dict(
         fixed={"stride_o", "P", "k"}, tables={"lengths_ptr", "starts_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"}),
 }
-SKIPPED_MODULES = {"indexer_topk_paged"}  # being deleted
 
 
 def _launched_kernels() -> set:
     """Names of the kernels launched as ``name[grid](...)`` / ``name[(...)](...)`` in kernels/."""
     found = set()
     for path in (ROOT / "kernels").glob("*.py"):
-        if path.stem not in SKIPPED_MODULES:
-            found.update(re.findall(r"\b(_\w+_kernel)\[(?:grid\]|\()", path.read_text()))
+        found.update(re.findall(r"\b(_\w+_kernel)\[(?:grid\]|\()", path.read_text()))
     return found
 
 

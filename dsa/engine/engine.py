@@ -39,6 +39,9 @@ from dsa.kernels.common import check_int
 from dsa.model.plan import PATHS
 
 
+log = logging.getLogger("dsa.engine")
+
+
 @dataclass
 class EngineStats:
     """What the engine has done since it started (or since :meth:`Engine.reset_stats`)."""
@@ -50,6 +53,8 @@ class EngineStats:
     tokens: int = 0  # rows computed (prompt and generated tokens)
     generated_tokens: int = 0
     preemptions: int = 0  # running requests that gave their blocks back to recompute later
+    kernel_compiles: int = 0  # Triton/Gluon kernel variants built in this process (dsa.kernels.compiles)
+    compiles_after_warmup: int | None = None  # of them, after this engine's warm-up (None before one ran)
     blocks_in_use: int = 0  # cache blocks held by requests now
     prefix: PrefixStats = field(default_factory=PrefixStats)  # the prefix cache's counters now
 
@@ -95,6 +100,8 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
         self._stats = EngineStats()
+        self._warm_total = None  # compiles.total() when warm-up ended
+        compiles.install()
 
     def _shared_seed(self) -> int:
         """A random 63-bit number, the same on every tensor-parallel rank: each rank runs this engine
@@ -119,6 +126,8 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self._stats
         s.blocks_in_use, s.prefix = self.scheduler.blocks.num_used, self.scheduler.blocks.stats
+        s.kernel_compiles = compiles.total()
+        s.compiles_after_warmup = None if self._warm_total is None else s.kernel_compiles - self._warm_total
         return s
 
     def reset_stats(self) -> None:
@@ -170,6 +179,9 @@ class Engine:
             for params in ([SamplingParams(temperature=0)] * 2,
                            [SamplingParams(temperature=0.7, top_p=0.9, top_k=5, logprobs=2), SamplingParams()]):
                 self.sampler(logits, params, [0, 1], [0, 1])
+            _listen_for_compiles()
+            self._warm_total = compiles.total()
+            report["kernel_variants"] = self._warm_total
             return report
 
     # ---- requests --------------------------------------------------------------------------
@@ -338,6 +350,17 @@ class Engine:
         for d in self.stream(prompts, max_new_tokens, sampling=sampling):
             out[d.index].extend(d.token_ids)
         return out
+
+
+_listening = []
+
+
+def _listen_for_compiles() -> None:
+    """Once per process, after the first warm-up: log every kernel variant built from then on (a
+    step that waited for Triton, seconds, on a path the warm-up did not cover)."""
+    if not _listening:
+        compiles.add_listener(lambda kernel, key: log.warning("kernel compiled after warm-up: %s [%s]", kernel, key))
+        _listening.append(True)
 
 
 def token_ids(prompt_ids, vocab_size: int) -> list:
