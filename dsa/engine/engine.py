@@ -22,6 +22,7 @@ loop thread fed by a queue instead: ``dsa serve``.)
 """
 import collections
 import itertools
+import logging
 import random
 import threading
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from dsa.engine.output import Delta, TextOutput
 from dsa.engine.runner import ModelRunner
 from dsa.engine.sampling import Sampler, SamplingParams
 from dsa.engine.scheduler import Request, Scheduler
+from dsa.kernels import compiles
 from dsa.kernels.common import check_int
 from dsa.model.plan import PATHS
 
