@@ -1,12 +1,14 @@
-"""``python -m dsa <command>`` (also the ``dsa`` script): demo, generate, serve, bench, recall, fit-indexer."""
+"""The ``dsa`` command (also ``python -m dsa``); its help text is plain (no reST markup)."""
 import argparse
 
 from dsa import __version__
 from dsa.commands import bench, demo, fit_indexer, generate, recall, serve
 
+DESCRIPTION = "DeepSeek Sparse Attention inference: dsa <command> (or python -m dsa <command>)."
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="dsa", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dsa", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"dsa {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (demo, generate, serve, recall, bench, fit_indexer):

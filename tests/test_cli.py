@@ -44,3 +44,39 @@ def test_missing_matplotlib_is_named_before_any_work(argv, command, monkeypatch,
     monkeypatch.setattr(dsa.model.model.DSAModel, "random", lambda *a, **k: pytest.fail("computed before refusing"))
     with pytest.raises(SystemExit, match=r"\[eval\]"):
         main(argv + ["--out", str(tmp_path)] if command == "dsa recall" else argv + ["--results", str(tmp_path)])
+
+
+def _bad_checkpoint(tmp_path, case: str, text_checkpoint) -> tuple:
+    """A bad checkpoint folder and the path its error must name."""
+    folder = tmp_path / "ckpt"
+    if case == "missing-folder":
+        return folder, str(folder)
+    folder.mkdir()
+    if case == "missing-config":
+        return folder, str(folder / "config.json")
+    config = folder / "config.json"
+    config.write_text("{not json" if case == "bad-json" else (text_checkpoint / "config.json").read_text())
+    if case == "bad-safetensors":
+        (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+        return folder, str(folder / "model.safetensors")
+    return folder, str(config if case == "bad-json" else folder)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "demo"])
+@pytest.mark.parametrize("case", ["missing-folder", "missing-config", "bad-json", "missing-safetensors",
+                                  "bad-safetensors"])
+def test_bad_checkpoints_exit_with_one_line_naming_the_path(command, case, tmp_path, text_checkpoint):
+    folder, named = _bad_checkpoint(tmp_path, case, text_checkpoint)
+    argv = [command, "--checkpoint", str(folder), "--device", "cpu"] + (["--prompt", "x"] if command == "generate"
+                                                                       else [])
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    message = str(e.value.code)
+    assert message.startswith(f"dsa {command}: ") and named in message and "\n" not in message, message
+
+
+def test_help_is_plain_text(capsys):
+    for argv in (["--help"], ["serve", "--help"], ["demo", "--help"], ["bench", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "`" not in capsys.readouterr().out

@@ -2,10 +2,18 @@
 
 The checkpoint is a tiny random DeepseekV32ForCausalLM saved by transformers with a BPE
 tokenizer trained in the test (the ``text_checkpoint`` fixture). Every load is bounded: a fixed
-number of requests, each with a timeout.
+number of requests, each with a timeout. A request that must still be running when the test acts
+(a disconnect, a timeout, a shutdown) asks for LONG tokens with ignore_eos on ``long_checkpoint``
+(the same model with a 64K context): minutes of work on any machine, so no test races a
+generation; the tests end such requests themselves.
 """
+import asyncio
 import concurrent.futures
+import itertools
+import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,10 +31,13 @@ pytest.importorskip("uvicorn")
 
 import dsa
 from dsa import SamplingParams
+from dsa.serve.engine_loop import EngineLoop, Submission
 
 KEY = "test-key"
 MODEL = "tiny"
 TIMEOUT = 60.0
+LONG = 60000  # tokens no machine generates during a test (about 4 ms a token on a laptop core)
+LONG_BLOCKS = 1024  # 65536 tokens: one LONG request holds most of them, a second one waits
 
 
 def _free_port() -> int:
@@ -77,6 +88,12 @@ class Server:
                 out[name] = float(value)
         return out
 
+    def stream(self, max_tokens=LONG, path="/v1/completions"):
+        """A streamed completion (an httpx stream context) of ``max_tokens`` tokens, ignore_eos."""
+        return httpx.stream("POST", self.url + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT,
+                            json={"model": MODEL, "prompt": "the lazy dog", "max_tokens": max_tokens,
+                                  "temperature": 0, "stream": True, "ignore_eos": True})
+
     def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -92,6 +109,26 @@ class Server:
 @pytest.fixture(scope="module")
 def server(text_checkpoint, tmp_path_factory):
     s = Server(text_checkpoint, tmp_path_factory.mktemp("serve") / "server.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(text_checkpoint, tmp_path_factory):
+    """text_checkpoint with max_position_embeddings 65536: room for LONG tokens."""
+    folder = tmp_path_factory.mktemp("long_checkpoint")
+    for f in text_checkpoint.iterdir():
+        (folder / f.name).symlink_to(f)
+    (folder / "config.json").unlink()
+    config = json.loads((text_checkpoint / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 65536}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def long_server(long_checkpoint, tmp_path_factory):
+    s = Server(long_checkpoint, tmp_path_factory.mktemp("serve") / "server.log", "--num-blocks", str(LONG_BLOCKS),
+               "--max-queued", "1")
     yield s
     s.stop()
 
@@ -235,45 +272,164 @@ def _wait_for(server, condition, timeout=60.0) -> dict:
         time.sleep(0.2)
 
 
-def test_a_client_disconnect_frees_its_blocks(server, llm):
-    blocks = -(-(len(llm.tokenizer.encode("the lazy dog")) + 400) // llm.model.config.block_size)
-    with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": MODEL, "prompt": "the lazy dog", "max_tokens": 400, "temperature": 0,
-                            "stream": True, "ignore_eos": True}, timeout=TIMEOUT) as r:
-        lines = r.iter_lines()
+def _events(lines) -> list:
+    """The JSON of each ``data:`` line of a server-sent event stream, up to ``[DONE]`` (included as None)."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            out.append(None if line == "data: [DONE]" else json.loads(line[6:]))
+            if out[-1] is None:
+                break
+    return out
+
+
+def test_a_client_disconnect_frees_its_blocks(long_server, llm):
+    server = long_server
+    blocks = -(-(len(llm.tokenizer.encode("the lazy dog")) + LONG) // llm.model.config.block_size)
+    with server.stream() as r:
+        lines = r.iter_lines()  # held: a dropped iterator would close the connection
         assert next(line for line in lines if line.startswith("data:"))
         during = server.metrics()
         # blocks on demand: those of the tokens computed so far, at most the request's worst case
         assert during["dsa_requests_running"] == 1 and 1 <= during["dsa_cache_blocks_in_use"] <= blocks
     after = _wait_for(server, lambda m: m["dsa_cache_blocks_in_use"] == 0)
-    assert after["dsa_requests_running"] == 0 and after["dsa_cache_blocks_free"] == 64
+    assert after["dsa_requests_running"] == 0 and after["dsa_cache_blocks_free"] == LONG_BLOCKS
     assert after['dsa_requests_finished_total{finish_reason="abort"}'] >= 1
-    assert after["dsa_generated_tokens_total"] < during["dsa_generated_tokens_total"] + 400
     assert httpx.get(server.url + "/health").status_code == 200
+    assert re.search(r"prompt_tokens=\d+ completion_tokens=\d+ time=\S+ finish=abort \(client disconnected\)",
+                     server.output())
 
 
-def test_sigterm_shuts_down_cleanly(text_checkpoint, tmp_path):
-    s = Server(text_checkpoint, tmp_path / "server.log", "--shutdown-timeout", "2")
-    received = []
+def test_max_queued_refuses_with_retry_after(long_server):
+    """--max-queued 1: a LONG request runs, a second one waits for its blocks, a third is refused."""
+    server = long_server
+    with server.stream() as running:
+        lines = running.iter_lines()  # held: a dropped iterator would close the connection
+        assert next(line for line in lines if line.startswith("data:"))
+        with server.stream() as waiting:
+            assert waiting.status_code == 200
+            assert _wait_for(server, lambda m: m["dsa_requests_waiting"] == 1)["dsa_requests_waiting"] == 1
+            r = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+            assert "--max-queued 1" in r.json()["error"]["message"]
+    m = _wait_for(server, lambda m: m["dsa_cache_blocks_in_use"] == 0 and m["dsa_requests_waiting"] == 0)
+    assert m["dsa_cache_blocks_in_use"] == 0 and m["dsa_requests_running"] == 0
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200, r.text
 
-    def long_stream():  # a request in flight during the shutdown
+
+def test_request_timeout_aborts_streamed_and_non_streamed(long_checkpoint, tmp_path):
+    s = Server(long_checkpoint, tmp_path / "server.log", "--num-blocks", str(LONG_BLOCKS), "--request-timeout", "1")
+    try:
+        with s.stream() as r:
+            events = _events(r.iter_lines())
+        assert events[-1] is None and events[-2]["choices"][0]["finish_reason"] == "abort"
+        r = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": LONG, "ignore_eos": True})
+        assert r.status_code == 504 and "request timeout (1 s)" in r.json()["error"]["message"]
+        r = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        assert s.stop() == 0
+    assert len(re.findall(r"finish=abort \(request timeout\)", s.output())) == 2
+
+
+def test_stats_line_while_busy(llm, caplog):
+    """A clock that advances 5 s per reading (one before the first step, one after each) and an
+    interval of 10 s: one request of 8 tokens (8 steps) logs a line every second step, then none."""
+    ticks = itertools.count(step=5.0)
+    loop = EngineLoop(llm.engine, stats_interval=10.0, clock=lambda: next(ticks))
+
+    async def one_request():
+        sub = Submission([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True), asyncio.Queue())
+        loop.submit(sub)
+        while not (await sub.deltas.get()).finished:
+            pass
+
+    with caplog.at_level(logging.INFO, logger="dsa.serve"):
+        loop.start()
         try:
-            for chunk in s.client().completions.create(model=MODEL, prompt="one", max_tokens=400, stream=True,
-                                                       extra_body={"ignore_eos": True}):
-                received.append(chunk)
-        except (openai.APIError, httpx.HTTPError):
-            received.append(None)
+            asyncio.run(one_request())
+        finally:
+            loop.stop()  # joins the thread: the line of the last step is logged by then
+    lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
+    assert len(lines) == 4, lines
+    pattern = (r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [\d.]+ tokens/s, "
+               r"Running: [01] reqs, Waiting: 0 reqs, Cache usage: [\d.]+%, Prefix cache hit rate: [\d.]+%")
+    assert all(re.fullmatch(pattern, line) for line in lines), lines
+    # the first 10 s: the prompt's 3 rows and 2 tokens; the last line comes after the request finished
+    assert lines[0].startswith("Avg prompt throughput: 0.3 tokens/s, Avg generation throughput: 0.2 tokens/s, "
+                               "Running: 1 reqs, Waiting: 0 reqs, Cache usage: 1.6%")
+    assert "Avg prompt throughput: 0.0 tokens/s" in lines[1] and "Running: 0 reqs" in lines[-1]
 
-    t = threading.Thread(target=long_stream)
+
+def _in_flight(server) -> tuple:
+    """A LONG stream in a thread; returns the thread and its list of events, once the first came."""
+    events, started = [], threading.Event()
+
+    def read():
+        try:
+            with server.stream() as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(None if line == "data: [DONE]" else json.loads(line[6:]))
+                        started.set()
+        except httpx.HTTPError as e:
+            events.append(e)
+        started.set()
+
+    t = threading.Thread(target=read)
     t.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not received and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert received
-    # uvicorn shuts down (in-flight requests get --shutdown-timeout, then are cancelled), then re-raises the
-    # signal so that the exit status says SIGTERM
-    assert s.stop(signal.SIGTERM, timeout=60) in (0, -signal.SIGTERM)
-    t.join(TIMEOUT)
-    assert not t.is_alive() and received[-1] is None  # the client saw its stream cut, it did not hang
+    assert started.wait(TIMEOUT)
+    return t, events
+
+
+def _exit_code(server, timeout) -> int:
+    try:
+        return server.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        server.stop(signal.SIGKILL)
+        pytest.fail(f"dsa serve did not exit within {timeout} s:\n{server.output()}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_shutdown_when_idle_exits_0(text_checkpoint, tmp_path, sig):
+    s = Server(text_checkpoint, tmp_path / "server.log")
+    s.proc.send_signal(sig)
+    assert _exit_code(s, TIMEOUT) == 0
+    s.stop()
     out = s.output()
-    assert "Application shutdown complete" in out and "Finished server process" in out and "Traceback" not in out
+    assert "Application shutdown complete" in out and "Traceback" not in out and "ERROR" not in out
+
+
+def test_shutdown_aborts_requests_past_the_timeout(long_checkpoint, tmp_path):
+    s = Server(long_checkpoint, tmp_path / "server.log", "--num-blocks", str(LONG_BLOCKS), "--shutdown-timeout", "1")
+    t, events = _in_flight(s)
+    sent = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    assert _exit_code(s, TIMEOUT) == 0
+    assert time.monotonic() - sent < 1 + 5  # --shutdown-timeout, then the abort and the exit
+    t.join(TIMEOUT)
+    s.stop()
+    assert events[-1] is None and events[-2]["choices"][0]["finish_reason"] == "abort"  # a clean end, then [DONE]
+    out = s.output()
+    assert re.search(r"finish=abort \(shutdown\)", out) and "Application shutdown complete" in out
+    assert "Traceback" not in out and "ERROR" not in out
+
+
+def test_shutdown_refuses_new_requests_and_lets_those_in_flight_finish(long_checkpoint, tmp_path):
+    s = Server(long_checkpoint, tmp_path / "server.log", "--num-blocks", str(LONG_BLOCKS), "--shutdown-timeout", "600")
+    with s.stream() as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        s.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + TIMEOUT
+        while httpx.get(s.url + "/health", timeout=TIMEOUT).status_code != 503:
+            assert time.monotonic() < deadline, "/health never said 503 while draining"
+            time.sleep(0.05)
+        refused = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        assert s.proc.poll() is None  # still draining: the stream is in flight
+    # the client ends its stream: nothing is left in flight, the server exits long before 600 s
+    assert _exit_code(s, TIMEOUT) == 0
+    s.stop()
+    assert "Traceback" not in s.output()

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--results", default="benchmarks/results", help="render, plot: folder of result JSON")
     p.add_argument("--figures", default="benchmarks/figures", help="plot: folder for the PNGs")
     p.add_argument("--readme", default=None, help="render: README to update between the perf markers")
-    p.add_argument("--git-sha", default=None, help="record this commit (default: `git rev-parse HEAD` here)")
+    p.add_argument("--git-sha", default=None, help="record this commit (default: what git rev-parse HEAD says here)")
     p.set_defaults(func=run)
 
 

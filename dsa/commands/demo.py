@@ -10,6 +10,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from dsa.commands.options import checkpoint_errors
 from dsa.config import bytes_per_token, indexer_layers, latent_format
 from dsa.kernels.common import cdiv
 
@@ -24,7 +25,7 @@ def add_parser(sub) -> None:
                    "the prompt, rounded up to a block, at most 8192)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each: start with "
-                   "`torchrun --nproc-per-node N -m dsa demo --tp N` (default: %(default)s)")
+                   "torchrun --nproc-per-node N -m dsa demo --tp N (default: %(default)s)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.set_defaults(func=run)
 
@@ -33,7 +34,8 @@ def build_model(args, device: torch.device):
     from dsa.model import DSAModel
     from dsa.model.presets import default_model
     if args.checkpoint:
-        return DSAModel.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device=device, tp_size=args.tp)
+        with checkpoint_errors("demo", args.checkpoint):
+            return DSAModel.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device=device, tp_size=args.tp)
     return default_model(device, tp_size=args.tp)
 
 

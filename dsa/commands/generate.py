@@ -30,7 +30,7 @@ def run(args) -> int:
                                   top_k=args.top_k, seed=args.seed, stop=args.stop)
     except ValueError as e:
         raise SystemExit(f"dsa generate: {e}") from None
-    llm = llm_from_args(args)
+    llm = llm_from_args(args, "generate")
     prompt = llm.chat_ids([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     t0 = time.perf_counter()
     first = None

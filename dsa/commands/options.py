@@ -1,4 +1,7 @@
-"""Command-line options shared by ``dsa generate`` and ``dsa serve``: which model, where, how much cache."""
+"""Command-line options shared by ``dsa generate`` and ``dsa serve``: which model, where, how much cache;
+bad checkpoints as one line."""
+import contextlib
+import os
 
 
 def add_model_arguments(p) -> None:
@@ -11,7 +14,7 @@ def add_model_arguments(p) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="rows per step (default: %(default)s)")
 
 
-def llm_from_args(args):
+def llm_from_args(args, command: str | None = None):
     import torch
 
     from dsa.serve.llm import LLM
@@ -19,5 +22,26 @@ def llm_from_args(args):
     options = {"max_batch_tokens": args.max_batch_tokens}
     if args.num_blocks is not None:
         options["num_blocks"] = args.num_blocks
-    return LLM(args.checkpoint, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
-               **options)
+    with checkpoint_errors(command, args.checkpoint):
+        return LLM(args.checkpoint, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                   **options)
+
+
+@contextlib.contextmanager
+def checkpoint_errors(command: str | None, checkpoint):
+    """Loading ``checkpoint`` (a folder, or None: nothing to check) inside: a missing folder or file,
+    an unreadable config.json or safetensors file exits with one line naming the path (after
+    ``dsa COMMAND:``)."""
+    prog = f"dsa {command}" if command else "dsa"
+    if checkpoint is None:
+        yield
+        return
+    if not os.path.isdir(checkpoint):
+        raise SystemExit(f"{prog}: --checkpoint {checkpoint}: no such folder")
+    try:
+        yield
+    except (OSError, ValueError, TypeError) as e:
+        detail = f"{e.filename}: no such file" if isinstance(e, FileNotFoundError) and e.filename else str(e)
+        if os.fspath(checkpoint) not in detail:
+            detail = f"--checkpoint {checkpoint}: {detail}"
+        raise SystemExit(f"{prog}: {' '.join(detail.split())}") from None

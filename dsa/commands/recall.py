@@ -6,6 +6,7 @@ import platform
 
 import torch
 
+from dsa.commands.options import checkpoint_errors
 from dsa.model.presets import PRESETS
 from dsa.quality.recall import SWEEP, load_tokens, measure, plot, summary
 from dsa.quality.teacher_recall import add_arguments as add_teacher_arguments
@@ -48,7 +49,8 @@ def run(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.checkpoint:
-        model = DSAModel.from_pretrained(args.checkpoint, dtype=dtype, device=device)
+        with checkpoint_errors("recall", args.checkpoint):
+            model = DSAModel.from_pretrained(args.checkpoint, dtype=dtype, device=device)
     else:
         model = DSAModel.random(PRESETS[args.preset](), seed=args.seed, dtype=dtype, device=device)
     cfg = model.config

@@ -1,8 +1,11 @@
 """``dsa serve``: the OpenAI-compatible HTTP server (needs the ``serve`` extra: FastAPI, uvicorn).
 
-Binds 127.0.0.1 by default; logs one line per request; SIGTERM or Ctrl-C shut it down cleanly
-(requests in flight get up to ``--shutdown-timeout`` seconds, then are aborted).
+Binds 127.0.0.1 by default; logs one line per request, and a stats line every 10 s while busy.
+SIGTERM or Ctrl-C drain it: new requests get 503, requests in flight get ``--shutdown-timeout``
+seconds, then are aborted (a stream ends with ``finish_reason: "abort"``), and the process exits
+0; a second signal stops it at once.
 """
+import asyncio
 import importlib.util
 import logging
 import os
@@ -20,11 +23,19 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint folder's "
                    "name, or dsa-default)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, help="seconds requests in flight get at "
-                   "shutdown (default: %(default)s)")
+                   "shutdown before they are aborted (default: %(default)s)")
+    p.add_argument("--max-queued", type=int, help="a request arriving while this many requests wait (not yet "
+                   "running) gets 503 with Retry-After (default: no limit)")
+    p.add_argument("--request-timeout", type=float, help="seconds after which a request still running is "
+                   "aborted (default: none)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    for flag, value, minimum in (("--shutdown-timeout", args.shutdown_timeout, 0), ("--max-queued", args.max_queued, 0),
+                                 ("--request-timeout", args.request_timeout, 1e-9)):
+        if value is not None and not value >= minimum:
+            raise SystemExit(f"dsa serve: {flag} must be {'positive' if minimum else 'at least 0'}, got {value}")
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         raise SystemExit(f"dsa serve: needs {' and '.join(missing)}; install the extra with "
@@ -35,10 +46,35 @@ def run(args) -> int:
     from dsa.serve.openai_server import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    llm = llm_from_args(args)
+    llm = llm_from_args(args, "serve")
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
                                       else "dsa-default")
-    app = build_app(llm, EngineLoop(llm.engine), name, args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    app = build_app(llm, EngineLoop(llm.engine), name, args.api_key, args.max_queued, args.request_timeout)
+
+    class Server(uvicorn.Server):
+        """uvicorn, except that SIGTERM / Ctrl-C first drain the app (uvicorn would cancel the
+        requests in flight and re-raise the signal: exit 143), then stop it."""
+
+        draining = False
+
+        async def serve(self, sockets=None):
+            self.event_loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame):  # a signal handler: hand the work to the event loop
+            if self.draining:  # a second signal: stop now
+                self.should_exit = self.force_exit = True
+                return
+            self.draining = True
+            self.event_loop.call_soon_threadsafe(self.start_drain)
+
+        def start_drain(self):
+            self.drain_task = asyncio.ensure_future(self.drain())
+
+        async def drain(self):
+            await app.state.drain(args.shutdown_timeout)
+            self.should_exit = True
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5.0)
+    Server(config).run()
     return 0

@@ -46,7 +46,7 @@ def _shards(path: str) -> list[str]:
     else:
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
-        raise FileNotFoundError(f"path: no safetensors files in {path}")
+        raise FileNotFoundError(f"{path}: no safetensors files (*.safetensors)")
     return [os.path.join(path, f) for f in files]
 
 

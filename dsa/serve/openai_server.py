@@ -7,7 +7,11 @@ true, and ``GET /metrics`` (Prometheus text format). Sampling fields map to
 :class:`~dsa.engine.sampling.SamplingParams`. Errors are ``{"error": {"message", "type", "param",
 "code"}}``: 400 for malformed JSON, wrong types, out-of-range values and requests that can never
 fit (naming the limit), 401 on ``/v1`` routes without the right key (when one is set), 404 for an
-unknown model or route. A client that disconnects aborts its requests, which frees their blocks.
+unknown model or route, 503 while shutting down and when ``max_queued`` requests already wait
+(with ``Retry-After``). A client that disconnects aborts its requests, which frees their blocks.
+A request still running after ``request_timeout`` seconds, or when :meth:`_Server.drain` gives
+up waiting, is aborted: a stream ends with a chunk whose ``finish_reason`` is ``"abort"``, a
+non-streamed request gets a 504 (timeout) or 503 (shutdown) error. One log line per request.
 """
 import asyncio
 import hmac
@@ -30,6 +34,7 @@ from dsa.serve.engine_loop import EngineLoop, Submission
 
 log = logging.getLogger("dsa.serve")
 CHAT_DEFAULT_MAX_TOKENS = 256  # chat without max_tokens: this many, or what is left of the context
+ABORT_GRACE_S = 5.0  # at shutdown, how long aborted requests get to send their last chunk
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -82,16 +87,19 @@ class ChatRequest(_Sampled):
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.code, self.type)
+        return error_response(self.status, self.message, self.param, self.code, self.type, self.headers)
 
 
-def error_response(status: int, message: str, param=None, code=None, type="invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}}, status_code=status)
+def error_response(status: int, message: str, param=None, code=None, type="invalid_request_error",
+                   headers=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}}, status_code=status,
+                        headers=headers)
 
 
 def _sampling(body: _Sampled, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -109,10 +117,15 @@ def _sampling(body: _Sampled, max_tokens: int, logprobs: int | None) -> Sampling
 
 
 class _Server:
-    """The handlers' shared state: the LLM (tokenizer, engine limits), its loop, the served name."""
+    """The handlers' shared state: the LLM (tokenizer, engine limits), its loop, the served name,
+    the admission limits and the calls in flight."""
 
-    def __init__(self, llm, loop: EngineLoop, model_name: str):
+    def __init__(self, llm, loop: EngineLoop, model_name: str, max_queued: int | None = None,
+                 request_timeout: float | None = None):
         self.llm, self.loop, self.model_name = llm, loop, model_name
+        self.max_queued, self.request_timeout = max_queued, request_timeout
+        self.calls = set()  # _Call objects in flight
+        self.draining = False
         self.created = int(time.time())
         engine = llm.engine
         self.limit = min(engine.config.max_position_embeddings, engine.capacity_tokens)
@@ -148,13 +161,21 @@ class _Server:
         tok = self.llm.tokenizer
         return str(token_id) if tok is None else tok.token_text(token_id)
 
-    def prepare(self, prompts: list, sampling: SamplingParams) -> tuple:
-        """Submissions sharing one delta queue (submitted by :meth:`start`)."""
-        deltas = asyncio.Queue()
-        return [Submission(ids, sampling, deltas, i) for i, ids in enumerate(prompts)], deltas
+    def check_open(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type="server_error")
 
-    def start(self, subs: list) -> None:
-        for s in subs:
+    def admit(self, call: "_Call") -> None:
+        """Submit the call's requests, or 503 when shutting down or ``max_queued`` requests wait."""
+        self.check_open()
+        queued = self.loop.queued()
+        if self.max_queued is not None and queued >= self.max_queued:
+            raise APIError(503, f"the server is busy: {queued} requests are waiting (--max-queued "
+                           f"{self.max_queued}); retry later", type="server_error", headers={"Retry-After": "1"})
+        if self.request_timeout is not None:
+            call.deadline = time.monotonic() + self.request_timeout
+        self.calls.add(call)
+        for s in call.subs:
             self.loop.submit(s)
 
     def abort_unfinished(self, subs: list) -> None:
@@ -162,19 +183,41 @@ class _Server:
             if not s.finished:
                 self.loop.abort(s)
 
+    async def drain(self, timeout: float) -> None:
+        """Shut down: refuse new requests (503), give the calls in flight up to ``timeout`` seconds,
+        then abort the rest and give them ABORT_GRACE_S seconds to send their last chunk."""
+        self.draining = True
+        if self.calls:
+            log.info("shutting down: %d requests in flight get up to %g s", len(self.calls), timeout)
+        await self._wait_for_calls(timeout)
+        if self.calls:
+            log.info("shutting down: aborting %d requests", len(self.calls))
+            for call in list(self.calls):
+                call.abort("shutdown")
+            await self._wait_for_calls(ABORT_GRACE_S)
 
-async def _deltas(request: Request, subs: list, queue: asyncio.Queue, watch_disconnect: bool):
-    """Each delta of ``subs`` as it arrives, until all finished. Raises APIError(500) when the
-    engine failed a request; with ``watch_disconnect`` ends quietly when the client went away."""
-    left = len(subs)
+    async def _wait_for_calls(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while self.calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+async def _deltas(request: Request, call: "_Call", watch_disconnect: bool):
+    """Each delta of the call's requests as it arrives, until all finished; aborts them at the
+    call's deadline. Raises APIError(500) when the engine failed a request; with
+    ``watch_disconnect`` ends quietly when the client went away."""
+    left = len(call.subs)
     while left:
+        wait = 1.0 if call.deadline is None or call.aborted else min(1.0, call.deadline - time.monotonic())
         try:
-            delta = await asyncio.wait_for(queue.get(), timeout=1.0)
+            delta = await asyncio.wait_for(call.queue.get(), timeout=max(wait, 0.0))
         except asyncio.TimeoutError:
-            if watch_disconnect and await request.is_disconnected():
+            if call.deadline is not None and not call.aborted and time.monotonic() >= call.deadline:
+                call.abort("request timeout")
+            elif watch_disconnect and await request.is_disconnected():
                 return
             continue
-        sub = subs[delta.index]
+        sub = call.subs[delta.index]
         if sub.error is not None:
             raise APIError(500, sub.error, type="server_error")
         if delta.finished:
@@ -186,9 +229,13 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app; the loop is started and stopped with the app's lifespan."""
-    server = _Server(llm, loop, model_name)
+def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None, max_queued: int | None = None,
+              request_timeout: float | None = None) -> FastAPI:
+    """The FastAPI app; the loop is started and stopped with the app's lifespan. ``max_queued``:
+    a request arriving while this many wait gets 503; ``request_timeout``: seconds after which a
+    request is aborted. ``await app.state.drain(timeout)`` shuts the app down gracefully (the
+    server calls it on SIGTERM before stopping)."""
+    server = _Server(llm, loop, model_name, max_queued, request_timeout)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -200,6 +247,7 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
             loop.stop()
 
     app = FastAPI(title="dsa", lifespan=lifespan)
+    app.state.drain = server.drain
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -234,6 +282,8 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
 
     @app.get("/health")
     async def health():
+        if server.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
@@ -247,6 +297,7 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
+        server.check_open()
         server.check_model(body.model)
         if body.echo:
             raise APIError(400, "echo: not supported", "echo")
@@ -260,6 +311,7 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(body: ChatRequest, request: Request):
+        server.check_open()
         server.check_model(body.model)
         if llm.tokenizer is None:
             raise APIError(400, "messages: this checkpoint has no tokenizer", "messages")
@@ -311,14 +363,19 @@ def _logprobs_chat(server: _Server, lps: list) -> dict:
 
 
 class _Call:
-    """One HTTP request's submissions and what its response is built from."""
+    """One HTTP request's submissions and what its response is built from. :meth:`close` (always
+    called once, when the response ends or fails) aborts what is unfinished and logs its line."""
 
     def __init__(self, server: _Server, prompts: list, sampling: SamplingParams, body, chat: bool):
         self.server, self.sampling, self.chat = server, sampling, chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.t0 = time.perf_counter()
-        self.subs, self.queue = server.prepare(prompts, sampling)
+        self.queue = asyncio.Queue()
+        self.subs = [Submission(ids, sampling, self.queue, i) for i, ids in enumerate(prompts)]
         self.counts = [0] * len(self.subs)  # completion tokens per choice
+        self.reasons = [None] * len(self.subs)  # finish reason per choice
+        self.deadline = None  # time.monotonic() when it is aborted (request_timeout)
+        self.aborted = None  # why the server aborted it: "request timeout", "shutdown"
         self.include_usage = body.stream_options is not None and body.stream_options.include_usage
         self.base = {"id": self.id, "object": "chat.completion" if chat else "text_completion",
                      "created": int(time.time()), "model": server.model_name}
@@ -332,29 +389,64 @@ class _Call:
             return None
         return _logprobs_chat(self.server, lps) if self.chat else _logprobs_completion(self.server, lps, offset)
 
-    def done(self, reasons: list) -> None:
-        log.info("%s prompt_tokens=%d completion_tokens=%d time=%.2fs finish=%s", self.id,
-                 self.usage()["prompt_tokens"], sum(self.counts), time.perf_counter() - self.t0, ",".join(reasons))
+    def abort(self, why: str) -> None:
+        if self.aborted is None:
+            self.aborted = why
+            self.server.abort_unfinished(self.subs)
+
+    def abort_error(self) -> APIError:
+        if self.aborted == "request timeout":
+            return APIError(504, f"the request did not finish within the server's request timeout "
+                            f"({self.server.request_timeout:g} s) and was aborted", type="timeout_error")
+        if self.aborted == "shutdown":
+            return APIError(503, "the server is shutting down; the request was aborted", type="server_error")
+        return APIError(500, "the request was aborted", type="server_error")
+
+    def close(self) -> None:
+        if self not in self.server.calls:
+            return
+        errors = [s.error for s in self.subs if s.error is not None]
+        why = self.aborted or (errors[0] if errors else "client disconnected" if None in self.reasons else None)
+        log.info("%s prompt_tokens=%d completion_tokens=%d time=%.2fs finish=%s%s", self.id,
+                 self.usage()["prompt_tokens"], sum(self.counts), time.perf_counter() - self.t0,
+                 ",".join(r or "abort" for r in self.reasons), f" ({why})" if why else "")
+        self.server.calls.discard(self)
+        self.server.abort_unfinished(self.subs)  # after the line: a reader of the log sees it once blocks are free
+
+
+class _Stream(StreamingResponse):
+    """A streamed response whose call is closed however the stream ends (also when it never starts)."""
+
+    def __init__(self, request: Request, call: _Call):
+        super().__init__(_events(request, call), media_type="text/event-stream")
+        self.call = call
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.call.close()
 
 
 async def _respond(request: Request, server: _Server, prompts: list, sampling: SamplingParams, body, chat: bool):
     call = _Call(server, prompts, sampling, body, chat)
+    server.admit(call)
     if body.stream:
-        return StreamingResponse(_events(request, call), media_type="text/event-stream")
-    texts, lps, reasons = [""] * len(prompts), [[] for _ in prompts], [None] * len(prompts)
-    server.start(call.subs)
+        return _Stream(request, call)
+    texts, lps, reasons = [""] * len(prompts), [[] for _ in prompts], call.reasons
     try:
-        async for d in _deltas(request, call.subs, call.queue, watch_disconnect=True):
+        async for d in _deltas(request, call, watch_disconnect=True):
             call.counts[d.index] += len(d.token_ids)
             texts[d.index] += d.text or ""
             lps[d.index] += d.logprobs or []
             if d.finished:
-                reasons[d.index] = _reason(d.finish_reason)
+                reasons[d.index] = d.finish_reason
     finally:
-        server.abort_unfinished(call.subs)
+        call.close()
     if any(r is None for r in reasons):  # the client went away
         return Response(status_code=499)
-    call.done(reasons)
+    if "abort" in reasons:
+        raise call.abort_error()
     if chat:
         choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": call.logprobs(lp),
                     "finish_reason": r} for i, (t, lp, r) in enumerate(zip(texts, lps, reasons))]
@@ -367,15 +459,14 @@ async def _respond(request: Request, server: _Server, prompts: list, sampling: S
 async def _events(request: Request, call: _Call):
     """The server-sent events of a streamed response, ending in ``data: [DONE]``."""
     chunk = {**call.base, "object": "chat.completion.chunk"} if call.chat else call.base
-    offsets, reasons = [0] * len(call.subs), []
+    offsets = [0] * len(call.subs)
     try:
-        call.server.start(call.subs)  # here, so a stream that never starts submits nothing
         if call.chat:
             yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None}]})
-        async for d in _deltas(request, call.subs, call.queue, watch_disconnect=False):
+        async for d in _deltas(request, call, watch_disconnect=False):
             call.counts[d.index] += len(d.token_ids)
-            reason = _reason(d.finish_reason)
+            reason = d.finish_reason
             if not d.text and reason is None and not d.logprobs:
                 continue
             lp = call.logprobs(d.logprobs or [], offsets[d.index])
@@ -386,22 +477,13 @@ async def _events(request: Request, call: _Call):
                 choice = {"index": d.index, "text": d.text or ""}
             yield _sse({**chunk, "choices": [{**choice, "logprobs": lp, "finish_reason": reason}]})
             if reason is not None:
-                reasons.append(reason)
+                call.reasons[d.index] = reason
         if call.include_usage:
             yield _sse({**chunk, "choices": [], "usage": call.usage()})
         yield "data: [DONE]\n\n"
-        call.done(reasons)
     except APIError as e:
         yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
         yield "data: [DONE]\n\n"
-    finally:  # also when the client went away (the task is cancelled)
-        call.server.abort_unfinished(call.subs)
-
-
-def _reason(finish_reason):
-    if finish_reason == "abort":
-        raise APIError(500, "the request was aborted", type="server_error")
-    return finish_reason
 
 
 def prometheus_text(m: dict) -> str:
