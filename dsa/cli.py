@@ -1,5 +1,6 @@
 """``python -m dsa <command>`` (also the ``dsa`` script): demo, generate, serve, bench, recall, fit-indexer."""
 import argparse
+import sys
 
 from dsa import __version__
 from dsa.commands import bench, demo, fit_indexer, generate, recall, serve
@@ -12,4 +13,5 @@ def main(argv=None) -> int:
     for command in (demo, generate, serve, recall, bench, fit_indexer):
         command.add_parser(sub)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for result files
     return args.func(args)

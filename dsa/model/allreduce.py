@@ -68,7 +68,8 @@ def choose_path(backend: str, cuda: bool, hosts: list, have_ops: bool) -> tuple[
     if len(set(hosts)) > 1:
         return "nccl", f"ranks on {len(set(hosts))} hosts: symmetric memory needs every rank on one host"
     if not have_ops:
-        return "nccl", f"torch {torch.__version__} has no torch.ops.symm_mem one_shot_all_reduce_out/two_shot_all_reduce_"
+        return "nccl", (f"torch {torch.__version__} has no torch.ops.symm_mem "
+                        "one_shot_all_reduce_out/two_shot_all_reduce_")
     return "symm_mem", "NCCL on CUDA, every rank on one host"
 
 
