@@ -166,9 +166,51 @@ def _reduce_worker(rank, world, port, out):
             tp.reducer.one_shot(torch.ones(4))
         except ValueError as e:
             got["one_shot_error"] = str(e)
+        got["staged"] = _staged_calls(tp.reducer, rank)
         torch.save(got, os.path.join(out, f"reduce-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+class _GlooSymmOps:
+    """Stands in for torch.ops.symm_mem on CPU (it has no CPU kernels): the same in/out contract,
+    summed by gloo, checking that the kernels get the symmetric buffer; records the calls."""
+
+    def __init__(self, buffer):
+        self.buffer, self.calls = buffer, []
+
+    def _check(self, buf, op, name):
+        assert buf.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr() and op == "sum"
+
+    def one_shot_all_reduce_out(self, buf, op, name, out):
+        self._check(buf, op, name)
+        self.calls.append("one_shot")
+        summed = buf.clone()
+        dist.all_reduce(summed)
+        return out.copy_(summed)
+
+    def two_shot_all_reduce_(self, buf, op, name):
+        self._check(buf, op, name)
+        self.calls.append("two_shot")
+        dist.all_reduce(buf)
+        return buf
+
+
+def _staged_calls(reducer, rank) -> dict:
+    """The symm_mem path's dispatch and copies, its kernels replaced by gloo (see _GlooSymmOps)."""
+    from dsa.model.allreduce import MAX_BYTES
+    reducer.buffer = torch.full((MAX_BYTES,), 255, dtype=torch.uint8)
+    reducer.group_name, reducer.ops = "world", _GlooSymmOps(reducer.buffer)
+    out = {}
+    for name, x in {"4KiB": torch.full((1024,), rank + 1.0), "512KiB": torch.full((512, 512), rank + 1.0,
+                                                                                   dtype=torch.bfloat16),
+                    "2MiB": torch.full((512, 1024), rank + 1.0), "fp16": torch.full((8,), rank + 1.0,
+                                                                                   dtype=torch.float16)}.items():
+        before = len(reducer.ops.calls)
+        y = reducer(x)
+        out[name] = (y is x, bool((x == 3).all()), reducer.ops.calls[before:])
+    reducer.buffer = None
+    return out
 
 
 def test_all_reduce_on_gloo_takes_the_process_group_path(tmp_path):
@@ -184,6 +226,8 @@ def test_all_reduce_on_gloo_takes_the_process_group_path(tmp_path):
         assert torch.equal(got["skipped"], torch.full((2,), float(rank + 1)))  # each rank keeps its own part
         assert torch.equal(got["after"], torch.full((2,), 3.0))
         assert "needs the symm_mem path" in got["one_shot_error"] and "path gloo" in got["one_shot_error"]
+        assert got["staged"] == {"4KiB": (True, True, ["one_shot"]), "512KiB": (True, True, ["two_shot"]),
+                                 "2MiB": (True, True, []), "fp16": (True, True, [])}  # the last two: gloo
 
 
 def test_the_all_reduce_path_choice():

@@ -98,14 +98,14 @@ class AllReduce:
     def _init_symm_mem(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
         group = self.group or dist.group.WORLD
-        self.group_name = group.group_name
+        self.group_name, self.ops = group.group_name, torch.ops.symm_mem
         device = torch.device("cuda", torch.cuda.current_device())
         try:
             buffer = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=device)
             symm_mem.rendezvous(buffer, self.group_name)
             ok = 1
         except RuntimeError as e:
-            buffer, ok, error = None, 0, e
+            buffer, ok, error = None, 0, (str(e).splitlines() or [type(e).__name__])[0]
         agreed = torch.tensor([ok], dtype=torch.int32, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)  # one path on every rank
         if int(agreed.item()):
@@ -139,13 +139,13 @@ class AllReduce:
     def one_shot(self, x: torch.Tensor) -> torch.Tensor:
         """Copy in, every rank sums every peer's buffer into ``x``."""
         flat, buf = self._staged(x)
-        torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", self.group_name, flat)
+        self.ops.one_shot_all_reduce_out(buf, "sum", self.group_name, flat)
         return x
 
     def two_shot(self, x: torch.Tensor) -> torch.Tensor:
         """Copy in, each rank sums its slice and writes it to every peer, copy out."""
         flat, buf = self._staged(x)
-        torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group_name)
+        self.ops.two_shot_all_reduce_(buf, "sum", self.group_name)
         flat.copy_(buf)
         return x
 
