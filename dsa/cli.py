@@ -1,5 +1,6 @@
 """The ``dsa`` command (also ``python -m dsa``); its help text is plain (no reST markup)."""
 import argparse
+import sys
 
 from dsa import __version__
 from dsa.commands import bench, demo, fit_indexer, generate, recall, serve
@@ -14,4 +15,5 @@ def main(argv=None) -> int:
     for command in (demo, generate, serve, recall, bench, fit_indexer):
         command.add_parser(sub)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for result files
     return args.func(args)

@@ -81,3 +81,79 @@ def test_layer_and_crossover_benchmarks_run(op, tmp_path):
     if op == "crossover":
         thresholds = json.loads(next(tmp_path.glob("dispatch_*.json")).read_text())
         assert "prefill_mha_min_query" in thresholds
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "engine", "--tp", "0"], "dsa bench engine: --tp must be a positive number, got 0"),
+    (["bench", "mla", "--tp", "2"], "dsa bench mla: --tp applies to `dsa bench engine` only"),
+    (["bench", "engine", "--tp", "2"], "--tp 2 needs one process per rank: `torchrun --nproc-per-node 2 -m dsa bench "
+                                       "engine --tp 2`"),
+    (["bench", "allreduce"], "dsa bench allreduce: needs 2 or more ranks"),
+])
+def test_tensor_parallel_benches_refuse_bad_ranks(argv, message, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["bench", "engine", "--tp", "2"], "4", "dsa bench engine: --tp 2 but torchrun started 4 ranks"),
+    (["bench", "mla"], "2", "dsa bench mla: runs in one process, but torchrun started 2 ranks"),
+    (["bench", "allreduce"], "1", "dsa bench allreduce: needs 2 or more ranks"),
+])
+def test_rank_counts_under_torchrun_are_checked(argv, world, message, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
+
+
+def test_result_files_carry_the_command_line(monkeypatch):
+    from argparse import Namespace
+    from dsa.commands.bench import command_line
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    args = Namespace(argv=["bench", "engine", "--out", "a b"])
+    assert command_line(args) == "python -m dsa bench engine --out 'a b'"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    args = Namespace(argv=["bench", "engine", "--tp", "2"])
+    assert command_line(args) == "torchrun --nproc-per-node 2 -m dsa bench engine --tp 2"
+
+
+def _engine_doc(tmp_path, tp: int, replay: float, bare: float | None, date: str) -> None:
+    ceilings = {"copy_tbps": 4.0, "bf16_tflops": 500.0, "fp8_tflops": 1000.0}
+    extra = {} if bare is None else {"replay_no_allreduce_us": bare}
+    decode = result_row("engine_decode", "dsa+graph", {"B": 1, "S": 32768, "layers": 4}, {"median_us": replay + 100},
+                        ceilings, replay_us=replay, tp_size=tp, allreduce=None if tp == 1 else "symm_mem", **extra)
+    prefill = result_row("engine_prefill", "dsa", {"S": 32768, "chunk": 8192, "layers": 4},
+                         {"median_us": 4e5 if tp == 1 else 2.5e5},
+                         ceilings, tp_size=tp, **({} if bare is None else {"no_allreduce_us": 2.3e5}))
+    write_result("engine" if tp == 1 else f"engine-tp{tp}", [decode, prefill], ceilings,
+                 {"gpu": "NVIDIA H200", "date": date, "time_utc": date}, str(tmp_path))
+
+
+def test_tp_compare_puts_the_runs_side_by_side(tmp_path):
+    from dsa.bench.report import tp_compare
+    _engine_doc(tmp_path, 1, 2000.0, None, "2026-12-01")
+    _engine_doc(tmp_path, 1, 9999.0, None, "2026-11-01")  # older: not used
+    _engine_doc(tmp_path, 2, 1250.0, 1000.0, "2026-12-02")
+    text = tp_compare(load_results(str(tmp_path)))
+    assert ("TP=2 `engine-tp2-h200-2026-12-02.json` (all-reduce: symm_mem) against TP=1 "
+            "`engine-h200-2026-12-01.json`") in text
+    assert "| TP=1 us | TP=2 us | speedup |" in text
+    # decode: wall 2100 vs 1350 us; replay 2000 vs 1250, 1000 without all-reduce: 20% all-reduce;
+    # replicated (2 * 1000 - 2000) / 1 = 0 us of 2000
+    row = "| engine_decode | dsa+graph | B=1 S=32768 layers=4 | 2100 | 1350 | 1.56 | 2000 | 1250 | 1000 | 20.0 | 0 |"
+    assert row in text
+    # prefill: 400 vs 250 ms, 230 without all-reduce: 8%; replicated (2 * 230 - 400) / 400 = 15%
+    row = "| engine_prefill | dsa | S=32768 chunk=8192 layers=4 | 400000 | 250000 | 1.60 |  |  | 230000 | 8.0 | 15 |"
+    assert row in text
+    assert main(["bench", "render", "--tp-compare", "--results", str(tmp_path)]) == 0
+
+
+def test_tp_compare_without_tp_results_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="no engine-tpN result file in"):
+        main(["bench", "render", "--tp-compare", "--results", str(tmp_path)])

@@ -138,3 +138,127 @@ def test_each_rank_reads_only_its_shard_of_fp8_blocks(rank, tmp_path):
 def test_tp_size_without_torchrun_is_explained():
     with pytest.raises(RuntimeError, match="torchrun"):
         DSAModel.random(_config("v32"), seed=0, dtype=torch.float32, device="cpu", tp_size=2)
+
+
+def _reduce_worker(rank, world, port, out):
+    """The all-reduce on gloo: the process group's path, in place; the bench's no-op switch."""
+    from dsa.model.parallel import init_tensor_parallel, without_all_reduce
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.pop(name, None)
+    os.environ["NCCL_NVLS_ENABLE"] = "7"  # set by the user: kept
+    tp = init_tensor_parallel(world, backend="gloo")
+    try:
+        got = {"env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                       "NVSHMEM_DISABLE_NVLS")},
+               "describe": tp.reducer.describe()}
+        x = torch.full((3, 5), float(rank + 1))
+        y = tp.all_reduce(x)
+        got["summed"], got["in_place"] = y.clone(), y is x
+        got["bf16"] = tp.all_reduce(torch.full((4,), rank + 0.5, dtype=torch.bfloat16)).clone()
+        with without_all_reduce():
+            with without_all_reduce():  # nests
+                pass
+            got["skipped"] = tp.all_reduce(torch.full((2,), float(rank + 1))).clone()
+        got["after"] = tp.all_reduce(torch.full((2,), float(rank + 1))).clone()
+        try:
+            tp.reducer.one_shot(torch.ones(4))
+        except ValueError as e:
+            got["one_shot_error"] = str(e)
+        got["staged"] = _staged_calls(tp.reducer, rank)
+        torch.save(got, os.path.join(out, f"reduce-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+class _GlooSymmOps:
+    """Stands in for torch.ops.symm_mem on CPU (it has no CPU kernels): the same in/out contract,
+    summed by gloo, checking that the kernels get the symmetric buffer; records the calls."""
+
+    def __init__(self, buffer):
+        self.buffer, self.calls = buffer, []
+
+    def _check(self, buf, op, name):
+        assert buf.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr() and op == "sum"
+
+    def one_shot_all_reduce_out(self, buf, op, name, out):
+        self._check(buf, op, name)
+        self.calls.append("one_shot")
+        summed = buf.clone()
+        dist.all_reduce(summed)
+        return out.copy_(summed)
+
+    def two_shot_all_reduce_(self, buf, op, name):
+        self._check(buf, op, name)
+        self.calls.append("two_shot")
+        dist.all_reduce(buf)
+        return buf
+
+
+def _staged_calls(reducer, rank) -> dict:
+    """The symm_mem path's dispatch and copies, its kernels replaced by gloo (see _GlooSymmOps)."""
+    from dsa.model.allreduce import MAX_BYTES
+    reducer.buffer = torch.full((MAX_BYTES,), 255, dtype=torch.uint8)
+    reducer.group_name, reducer.ops = "world", _GlooSymmOps(reducer.buffer)
+    out = {}
+    for name, x in {"4KiB": torch.full((1024,), rank + 1.0), "512KiB": torch.full((512, 512), rank + 1.0,
+                                                                                   dtype=torch.bfloat16),
+                    "2MiB": torch.full((512, 1024), rank + 1.0), "fp16": torch.full((8,), rank + 1.0,
+                                                                                   dtype=torch.float16)}.items():
+        before = len(reducer.ops.calls)
+        y = reducer(x)
+        out[name] = (y is x, bool((x == 3).all()), reducer.ops.calls[before:])
+    reducer.buffer = None
+    return out
+
+
+def test_all_reduce_on_gloo_takes_the_process_group_path(tmp_path):
+    spawn(_reduce_worker, 2, str(tmp_path))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"reduce-rank{rank}.pt")
+        assert got["env"] == {"NCCL_NVLS_ENABLE": "7", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                              "NVSHMEM_DISABLE_NVLS": "1"}
+        d = got["describe"]
+        assert d["path"] == "gloo" and "needs NCCL" in d["reason"] and d["ranks"] == 2 and d["symm_mem_max_bytes"] == 0
+        assert torch.equal(got["summed"], torch.full((3, 5), 3.0)) and got["in_place"]
+        assert torch.equal(got["bf16"], torch.full((4,), 2.0, dtype=torch.bfloat16))
+        assert torch.equal(got["skipped"], torch.full((2,), float(rank + 1)))  # each rank keeps its own part
+        assert torch.equal(got["after"], torch.full((2,), 3.0))
+        assert "needs the symm_mem path" in got["one_shot_error"] and "path gloo" in got["one_shot_error"]
+        assert got["staged"] == {"4KiB": (True, True, ["one_shot"]), "512KiB": (True, True, ["two_shot"]),
+                                 "2MiB": (True, True, []), "fp16": (True, True, [])}  # the last two: gloo
+
+
+def test_the_all_reduce_path_choice():
+    from dsa.model.allreduce import choose_path
+    assert choose_path("nccl", True, ["a", "a"], True) == ("symm_mem", "NCCL on CUDA, every rank on one host")
+    assert choose_path("gloo", False, ["a", "a"], True)[0] == "gloo"
+    assert choose_path("nccl", False, ["a", "a"], True)[0] == "nccl"
+    path, reason = choose_path("nccl", True, ["a", "b", "a"], True)
+    assert path == "nccl" and "2 hosts" in reason
+    path, reason = choose_path("nccl", True, ["a", "a"], False)
+    assert path == "nccl" and "one_shot_all_reduce_out" in reason
+
+
+def test_which_tensors_fit_the_symmetric_buffer():
+    from dsa.model.allreduce import MAX_BYTES, fits
+    assert fits(torch.zeros(64, 7168, dtype=torch.bfloat16), MAX_BYTES)  # B = 64 decode rows: 0.9 MiB
+    assert not fits(torch.zeros(128, 7168, dtype=torch.bfloat16), MAX_BYTES)  # 1.8 MiB: NCCL
+    assert fits(torch.zeros(8, dtype=torch.float32), MAX_BYTES)
+    assert not fits(torch.zeros(8, dtype=torch.float16), MAX_BYTES)  # the kernels add bf16 and fp32 only
+    assert not fits(torch.zeros(3, dtype=torch.bfloat16), MAX_BYTES)  # 6 bytes: not a multiple of 4
+    assert not fits(torch.zeros(8, 8, dtype=torch.float32).t(), MAX_BYTES)  # not contiguous
+    assert not fits(torch.zeros(9, dtype=torch.float32)[1:], MAX_BYTES)  # 4-byte aligned only
+    assert not fits(torch.zeros(0, dtype=torch.float32), MAX_BYTES)
+
+
+def test_without_all_reduce_is_off_outside_its_block():
+    from dsa.model import parallel
+    with parallel.without_all_reduce():
+        assert parallel._skip_all_reduce
+    assert not parallel._skip_all_reduce
+    with pytest.raises(KeyError):
+        with parallel.without_all_reduce():
+            raise KeyError("x")
+    assert not parallel._skip_all_reduce

@@ -119,3 +119,57 @@ def render_command(results: str, readme: str | None) -> int:
     else:
         print(markdown)
     return 0
+
+
+def _key(row: dict) -> tuple:
+    return row["name"], row["impl"], json.dumps(row.get("shape", {}), sort_keys=True)
+
+
+def _pair_cells(one: dict | None, many: dict, n: int) -> list[str]:
+    """A row of the TP comparison: times (us), speedup, the all-reduce's share of TP=N and the
+    replicated share of TP=1 it implies (assuming the sharded part runs in 1/N of its TP=1 time)."""
+    decode = many["name"] == "engine_decode"
+    t1 = None if one is None else one["median_us"]
+    r1 = None if one is None else one.get("replay_us") if decode else one["median_us"]
+    rn = many.get("replay_us") if decode else many["median_us"]
+    bare = many.get("replay_no_allreduce_us") if decode else many.get("no_allreduce_us")
+    share = None if bare is None or not rn else 1 - bare / rn
+    replicated = None if None in (r1, bare) or n < 2 else (n * bare - r1) / (n - 1) / r1
+    return [many["name"], many["impl"], _shape(many.get("shape", {})), _num(t1, ".0f"), _num(many["median_us"], ".0f"),
+            _num(None if t1 is None else t1 / many["median_us"], ".2f"), _num(r1 if decode else None, ".0f"),
+            _num(rn if decode else None, ".0f"), _num(bare, ".0f"), _num(None if share is None else 100 * share, ".1f"),
+            _num(None if replicated is None else 100 * replicated, ".0f")]
+
+
+TP_HEAD = ["op", "impl", "shape", "TP=1 us", "TP=N us", "speedup", "TP=1 replay us", "TP=N replay us",
+           "TP=N without all-reduce us", "all-reduce % of TP=N", "replicated % of TP=1 (est.)"]
+
+
+def tp_compare(docs: list[dict]) -> str:
+    """Markdown: the newest ``engine`` result (TP=1) beside the newest ``engine-tpN`` result of each N.
+    Decode rows compare step wall times and graph replays, prefill rows wall times; the replicated
+    share is an estimate, ``(N * without_all_reduce - TP=1) / (N - 1)`` over TP=1, from the model
+    ``T = replicated + sharded / N`` (no measurement of the replicated parts alone)."""
+    one = next((d for d in docs if d["op"] == "engine"), None)
+    base = {} if one is None else {_key(r): r for r in one["rows"]}
+    out, seen = [], set()
+    for d in docs:
+        if not d["op"].startswith("engine-tp") or d["op"] in seen:
+            continue
+        seen.add(d["op"])
+        n = d["rows"][0].get("tp_size") if d["rows"] else None
+        path = d["rows"][0].get("allreduce") if d["rows"] else None
+        out += [f"TP={n} `{d['path']}` (all-reduce: {path}) against TP=1 "
+                + (f"`{one['path']}`" if one else "(no TP=1 engine result)") + ":", "",
+                "| " + " | ".join(TP_HEAD).replace("TP=N", f"TP={n}") + " |", "|" + "---|" * len(TP_HEAD)]
+        out += ["| " + " | ".join(_pair_cells(base.get(_key(r)), r, n)) + " |" for r in d["rows"]]
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def tp_compare_command(results: str) -> int:
+    text = tp_compare(load_results(results))
+    if not text:
+        raise SystemExit(f"dsa bench render --tp-compare: no engine-tpN result file in {results}")
+    print(text)
+    return 0

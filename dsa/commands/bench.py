@@ -1,5 +1,12 @@
-"""``python -m dsa bench <op>``: same-run ceilings, then the op, results as JSON under benchmarks/results/."""
+"""``python -m dsa bench <op>``: same-run ceilings, then the op, results as JSON under benchmarks/results/.
+
+Tensor parallel runs start one process per rank under torchrun (``torchrun --nproc-per-node 2 -m dsa
+bench engine --tp 2``, ``torchrun --nproc-per-node 2 -m dsa bench allreduce``); rank 0 prints and
+writes the file.
+"""
 import importlib
+import os
+import shlex
 
 TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> rows
     "indexer": "dsa.bench.indexer",
@@ -10,7 +17,9 @@ TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> row
     "crossover": "dsa.bench.crossover",
     "engine": "dsa.bench.engine",
     "prefix": "dsa.bench.prefix",
+    "allreduce": "dsa.bench.allreduce",
 }
+DISTRIBUTED = ("allreduce",)  # ops that run under torchrun only
 
 
 def add_parser(sub) -> None:
@@ -21,11 +30,44 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     p.add_argument("--variants", action="store_true",
                    help="mla, indexer, topk: also time tile, split, pipeline and sample variants of the kernels")
+    p.add_argument("--tp", type=int, default=1, help="engine: tensor-parallel ranks, one process each: "
+                   "`torchrun --nproc-per-node N -m dsa bench engine --tp N` (default: %(default)s)")
+    p.add_argument("--tp-compare", action="store_true",
+                   help="render: print the newest TP=1 and TP=N engine results side by side")
     p.add_argument("--results", default="benchmarks/results", help="render, plot: folder of result JSON")
     p.add_argument("--figures", default="benchmarks/figures", help="plot: folder for the PNGs")
     p.add_argument("--readme", default=None, help="render: README to update between the perf markers")
     p.add_argument("--git-sha", default=None, help="record this commit (default: what git rev-parse HEAD says here)")
     p.set_defaults(func=run)
+
+
+def check_ranks(args) -> None:
+    """One-line refusals of ``--tp`` and of the torchrun-only ops, before any GPU work."""
+    what = f"dsa bench {args.op}"
+    if args.tp < 1:
+        raise SystemExit(f"{what}: --tp must be a positive number, got {args.tp}")
+    if args.tp > 1 and args.op != "engine":
+        raise SystemExit(f"{what}: --tp applies to `dsa bench engine` only")
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.op in DISTRIBUTED and (not under_torchrun or world < 2):
+        raise SystemExit(f"{what}: needs 2 or more ranks, one process each: "
+                         f"`torchrun --nproc-per-node 2 -m dsa bench {args.op}`")
+    if args.tp > 1 and not under_torchrun:
+        raise SystemExit(f"{what}: --tp {args.tp} needs one process per rank: "
+                         f"`torchrun --nproc-per-node {args.tp} -m dsa bench {args.op} --tp {args.tp}`")
+    if under_torchrun and args.op not in DISTRIBUTED and world != args.tp:
+        raise SystemExit(f"{what}: --tp {args.tp} but torchrun started {world} ranks" if args.op == "engine" else
+                         f"{what}: runs in one process, but torchrun started {world} ranks")
+
+
+def command_line(args) -> str:
+    """The command that made a result file, as it would be typed."""
+    argv = " ".join(shlex.quote(a) for a in getattr(args, "argv", []))
+    if "RANK" in os.environ:
+        per_node = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE"))
+        return f"torchrun --nproc-per-node {per_node} -m dsa {argv}"
+    return f"python -m dsa {argv}"
 
 
 def run(args) -> int:
@@ -38,22 +80,32 @@ def run(args) -> int:
         print("wrote " + (", ".join(paths) if paths else "nothing (no result rows with a context length)"))
         return 0
     if args.op == "render":
-        from dsa.bench.report import render_command
-        return render_command(args.results, args.readme)
+        from dsa.bench.report import render_command, tp_compare_command
+        return tp_compare_command(args.results) if args.tp_compare else render_command(args.results, args.readme)
+    check_ranks(args)
     device = require_cuda(args.op)
+    if "LOCAL_RANK" in os.environ:  # torchrun: this rank's GPU, before anything allocates
+        import torch
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    rank0 = os.environ.get("RANK", "0") == "0"
+    say = print if rank0 else (lambda *a, **k: None)  # noqa: E731
     env = env_info()
     if args.git_sha:
         env["git_sha"] = args.git_sha
-    print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  git {env['git_sha'][:12]}")
+    say(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  git {env['git_sha'][:12]}")
     ceilings = measure_ceilings(device)
-    print("ceilings: copy {copy_tbps:.2f} TB/s, bf16 {bf16_tflops:.0f} TFLOP/s (p10 {bf16_tflops_p10:.0f}), "
-          "fp8 {fp8_tflops:.0f} TFLOP/s".format(**ceilings))
+    say("ceilings: copy {copy_tbps:.2f} TB/s, bf16 {bf16_tflops:.0f} TFLOP/s (p10 {bf16_tflops_p10:.0f}), "
+        "fp8 {fp8_tflops:.0f} TFLOP/s".format(**ceilings))
     rows = []
     if args.op in TIMED:
         timer = Timer(device, reps=args.reps)
         rows = importlib.import_module(TIMED[args.op]).run(device, timer, ceilings, args)
-    path = write_result(args.op, rows, ceilings, env, args.out,
-                        args={k: v for k, v in vars(args).items() if k != "func"})
+    if not rank0:
+        return 0
+    op = args.op if args.tp == 1 else f"{args.op}-tp{args.tp}"
+    path = write_result(op, rows, ceilings, env, args.out,
+                        args={**{k: v for k, v in vars(args).items() if k not in ("func", "argv")},
+                              "command_line": command_line(args)})
     from dsa.bench.report import format_rows
     print(format_rows(rows))
     print(f"wrote {path}")

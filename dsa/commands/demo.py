@@ -115,12 +115,15 @@ def run(args) -> int:
         "indexer_layers": len(indexer_layers(cfg)), "layers": cfg.num_hidden_layers,
         "rows": engine.stats.rows, "prefill_chunks": engine.stats.prefill_chunks, "tp_size": model.tp.size,
         "graph_steps": engine.stats.graph_steps,
+        "allreduce": model.tp.reducer.describe() if model.tp.reducer is not None else None,
     }
     if quiet:
         return 0
     print(f"device {result['device']}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}, {model.dtype}"
           + (f", tensor parallel over {model.tp.size} ranks" if model.tp.size > 1 else ""))
+    if model.tp.reducer is not None:
+        print(f"all-reduce: {model.tp.reducer.path} ({model.tp.reducer.reason})")
     print(f"prefill: {prefill_tokens} tokens in {prefill_s:.2f} s = {result['prefill_tokens_per_s']:.0f} tokens/s")
     if decode_s:
         graphs = engine.stats.graph_steps

@@ -18,13 +18,21 @@ Layout, per rank of ``tp`` ranks:
 Every rank runs the same deterministic scheduler on the same requests (SPMD): steps, plans and
 sampled tokens are identical on all ranks, no broadcast is needed. ``check_selection=True`` (off by
 default) all-gathers a hash of every layer's slots per step and raises if the ranks disagree.
+
+The all-reduce itself is :class:`dsa.model.allreduce.AllReduce` (symmetric memory for small
+messages where it initializes, NCCL otherwise; ``tp.reducer.path`` says which).
+:func:`without_all_reduce` turns every rank's all-reduce into a no-op, for ``dsa bench engine
+--tp``'s measurement of the communication share only: the outputs are then partial sums, wrong.
 """
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .allreduce import AllReduce, disable_multicast
 
 # parameter name suffix -> the dim split across ranks (0: rows, output features; 1: columns, inputs)
 SPLIT_DIMS = {
@@ -37,6 +45,21 @@ SPLIT_DIMS = {
 
 EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
+_skip_all_reduce = False  # set by without_all_reduce()
+
+
+@contextmanager
+def without_all_reduce():
+    """Within: ``TensorParallel.all_reduce`` returns its input unreduced (each rank keeps its partial
+    sum, so logits and tokens are wrong). For timing a step without its communication (``dsa bench
+    engine --tp``, whose rows say so); a CUDA graph captured within replays without it too."""
+    global _skip_all_reduce
+    before, _skip_all_reduce = _skip_all_reduce, True
+    try:
+        yield
+    finally:
+        _skip_all_reduce = before
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -45,11 +68,15 @@ class TensorParallel:
     rank: int = 0
     group: object = None
     check_selection: bool = False
+    reducer: AllReduce | None = None  # None: the process group's all_reduce
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place (a no-op for one rank)."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        """Sum ``x`` over the ranks, in place (a no-op for one rank, and within :func:`without_all_reduce`)."""
+        if self.size == 1 or _skip_all_reduce:
+            return x
+        if self.reducer is not None:
+            return self.reducer(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def split(self, n: int, what: str) -> slice:
@@ -109,11 +136,13 @@ def _unit(suffix: str, config) -> int:
 def init_tensor_parallel(tp_size: int, *, backend: str | None = None, check_selection: bool = False) -> TensorParallel:
     """Join (or start) the default process group of ``tp_size`` processes started by ``torchrun``
     (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) and return this rank's place.
-    On CUDA each rank uses GPU ``LOCAL_RANK``."""
+    On CUDA each rank uses GPU ``LOCAL_RANK``. NVLink multicast is turned off first
+    (:func:`dsa.model.allreduce.disable_multicast`); the all-reduce path is chosen here (collective)."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size: expected a positive int, got {tp_size!r}")
     if tp_size == 1:
         return TensorParallel()
+    disable_multicast()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise RuntimeError(f"tp_size {tp_size}: start one process per rank with torchrun "
@@ -124,4 +153,4 @@ def init_tensor_parallel(tp_size: int, *, backend: str | None = None, check_sele
         dist.init_process_group(backend)
     if dist.get_world_size() != tp_size:
         raise ValueError(f"tp_size: expected the world size {dist.get_world_size()}, got {tp_size}")
-    return TensorParallel(tp_size, dist.get_rank(), None, check_selection)
+    return TensorParallel(tp_size, dist.get_rank(), None, check_selection, AllReduce())
