@@ -128,7 +128,7 @@ def long_checkpoint(text_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def long_server(long_checkpoint, tmp_path_factory):
     s = Server(long_checkpoint, tmp_path_factory.mktemp("serve") / "server.log", "--num-blocks", str(LONG_BLOCKS),
-               "--max-queued", "1")
+               "--max-queued", "1", "--max-num-seqs", "1")
     yield s
     s.stop()
 
@@ -301,7 +301,7 @@ def test_a_client_disconnect_frees_its_blocks(long_server, llm):
 
 
 def test_max_queued_refuses_with_retry_after(long_server):
-    """--max-queued 1: a LONG request runs, a second one waits for its blocks, a third is refused."""
+    """--max-queued 1 --max-num-seqs 1: a LONG request runs, a second one waits, a third is refused."""
     server = long_server
     with server.stream() as running:
         lines = running.iter_lines()  # held: a dropped iterator would close the connection

@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--variants", action="store_true",
                    help="mla, indexer, topk: also time tile, split, pipeline and sample variants of the kernels")
     p.add_argument("--tp", type=int, default=1, help="engine: tensor-parallel ranks, one process each: "
-                   "`torchrun --nproc-per-node N -m dsa bench engine --tp N` (default: %(default)s)")
+                   "torchrun --nproc-per-node N -m dsa bench engine --tp N (default: %(default)s)")
     p.add_argument("--tp-compare", action="store_true",
                    help="render: print the newest TP=1 and TP=N engine results side by side")
     p.add_argument("--results", default="benchmarks/results", help="render, plot: folder of result JSON")

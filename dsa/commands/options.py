@@ -12,6 +12,8 @@ def add_model_arguments(p) -> None:
     p.add_argument("--num-blocks", type=int, help="cache blocks (default: 80%% of free GPU memory; on CPU one "
                    "request of max_position_embeddings tokens)")
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="rows per step (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once; later ones wait "
+                   "(default: %(default)s)")
 
 
 def llm_from_args(args, command: str | None = None):
@@ -19,7 +21,7 @@ def llm_from_args(args, command: str | None = None):
 
     from dsa.serve.llm import LLM
 
-    options = {"max_batch_tokens": args.max_batch_tokens}
+    options = {"max_batch_tokens": args.max_batch_tokens, "max_num_seqs": args.max_num_seqs}
     if args.num_blocks is not None:
         options["num_blocks"] = args.num_blocks
     with checkpoint_errors(command, args.checkpoint):

@@ -64,7 +64,7 @@ class EngineStats:
 class Engine:
     """Batches requests over one pool of paged caches (``num_blocks`` blocks, or as many as
     ``memory_bytes`` holds), ``max_batch_tokens`` rows per step (long prompts are prefilled in
-    chunks). ``cuda_graphs``: replay decode-only steps from CUDA graphs (None: whenever the model
+    chunks), at most ``max_num_seqs`` requests running at once. ``cuda_graphs``: replay decode-only steps from CUDA graphs (None: whenever the model
     allows, i.e. on CUDA without MoE layers; False: always eager). ``prefix_caching``: reuse the
     cached blocks of a prompt's prefix (both caches of every layer) and keep finished requests'
     blocks cached until the pool needs them. ``tokenizer``: makes deltas carry text and enables
@@ -76,11 +76,12 @@ class Engine:
     """
 
     def __init__(self, model, num_blocks: int | None = None, memory_bytes: int | None = None,
-                 max_batch_tokens: int = 8192, cuda_graphs: bool | None = None, prefix_caching: bool = True,
-                 tokenizer=None):
+                 max_batch_tokens: int = 8192, max_num_seqs: int = 256, cuda_graphs: bool | None = None,
+                 prefix_caching: bool = True, tokenizer=None):
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("num_blocks / memory_bytes: give exactly one of them")
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, minimum=1)
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs, minimum=1)
         self.model = model
         self.config = c = model.config
         if num_blocks is None:
@@ -88,8 +89,8 @@ class Engine:
         num_blocks = check_int("num_blocks", num_blocks, minimum=1)
         self.num_blocks = num_blocks
         namespace = repr((c, str(model.dtype)))  # what changes a block's content besides its tokens
-        self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens, prefix_caching=prefix_caching,
-                                   namespace=namespace)
+        self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens, max_num_seqs=max_num_seqs,
+                                   prefix_caching=prefix_caching, namespace=namespace)
         self.runner = ModelRunner(model, num_blocks, cuda_graphs)
         self.sampler = Sampler(c.vocab_size, model.device)
         self.tokenizer = tokenizer

@@ -5,8 +5,8 @@ computed but its last one a decode row, growing its blocks by one when a block f
 pool runs out, the most recently admitted running request is preempted (its blocks freed, it goes
 back to the front of the queue and recomputes its prompt and generated tokens later; the tokens it
 produced stay). Then the rest of ``max_batch_tokens`` goes to prefill chunks: running requests
-first, oldest first, then waiting requests, admitted in order as far as blocks allow (a request
-gets blocks for the rows it computes, not for its worst case). A waiting request whose next
+first, oldest first, then waiting requests, admitted in order as far as blocks and
+``max_num_seqs`` allow (a request gets blocks for the rows it computes, not for its worst case). A waiting request whose next
 uncached prompt block is being computed by a running request waits for it rather than compute it
 twice (in-flight prefix sharing). The result is a :class:`SchedulerOutput`; a request leaves by
 :meth:`finish` (running) or :meth:`remove` (anywhere), which release its blocks at once.
@@ -68,10 +68,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, num_blocks: int, block_size: int, max_batch_tokens: int, *, prefix_caching: bool = True,
-                 namespace: str = ""):
+    def __init__(self, num_blocks: int, block_size: int, max_batch_tokens: int, *, max_num_seqs: int = 256,
+                 prefix_caching: bool = True, namespace: str = ""):
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
         self.blocks = BlockManager(num_blocks, block_size, namespace, prefix_caching)
         self.waiting: deque = deque()
         self.running: dict = {}  # rid -> Request, in admission order
@@ -160,7 +161,7 @@ class Scheduler:
         """Admit waiting requests in order while blocks and ``budget`` last; a request whose prefix
         is being computed by a running one waits for it (later ones may go ahead)."""
         deferred = []
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if self.blocks.in_flight_prefix(req):
                 deferred.append(self.waiting.popleft())
