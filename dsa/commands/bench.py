@@ -1,5 +1,11 @@
-"""``python -m dsa bench <op>``: same-run ceilings, then the op, results as JSON under benchmarks/results/."""
+"""``python -m dsa bench <op>``: same-run ceilings, then the op, results as JSON under benchmarks/results/.
+
+``dsa bench serve`` is the exception: a load generator for ``dsa serve`` (no ceilings, no GPU needed).
+"""
 import importlib
+
+from dsa.bench import serve as serve_bench
+from dsa.commands.options import add_model_arguments
 
 TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> rows
     "indexer": "dsa.bench.indexer",
@@ -14,8 +20,9 @@ TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> row
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks on a CUDA GPU (ceilings, kernels, layer, engine) and reports")
-    p.add_argument("op", choices=["ceilings", *TIMED, "render", "plot"])
+    p = sub.add_parser("bench", help="benchmarks on a CUDA GPU (ceilings, kernels, layer, engine), reports, and "
+                       "serve: a load generator for dsa serve")
+    p.add_argument("op", choices=["ceilings", *TIMED, "render", "plot", "serve"])
     p.add_argument("--out", default="benchmarks/results", help="folder for the result JSON (default: %(default)s)")
     p.add_argument("--reps", type=int, default=30, help="timed calls per row (median reported)")
     p.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
@@ -25,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--figures", default="benchmarks/figures", help="plot: folder for the PNGs")
     p.add_argument("--readme", default=None, help="render: README to update between the perf markers")
     p.add_argument("--git-sha", default=None, help="record this commit (default: `git rev-parse HEAD` here)")
+    g = p.add_argument_group("serve", "dsa bench serve: the server it starts (model options) and the load")
+    add_model_arguments(g)
+    serve_bench.add_arguments(g)
     p.set_defaults(func=run)
 
 
@@ -37,6 +47,8 @@ def run(args) -> int:
         paths = plot_results(args.results, args.figures)
         print("wrote " + (", ".join(paths) if paths else "nothing (no result rows with a context length)"))
         return 0
+    if args.op == "serve":
+        return serve_bench.run(args)
     if args.op == "render":
         from dsa.bench.report import render_command
         return render_command(args.results, args.readme)
