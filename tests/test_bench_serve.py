@@ -192,6 +192,7 @@ def _args(**given):
     (dict(url="http://127.0.0.1:1", preset="tiny"), "--url"),
     (dict(shared_prefix=4, concurrency_range=[1, 2]), "--shared-prefix"),
     (dict(dataset="/nonexistent/corpus.txt"), "--dataset"),
+    (dict(request_rate=2.0, concurrency_range=[1, 2]), "--request-rate"),
 ])
 def test_bad_arguments_get_one_line_errors(given, words):
     with pytest.raises(SystemExit) as e:

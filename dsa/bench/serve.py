@@ -99,6 +99,8 @@ def check_args(args) -> None:
         fail("--preset: give --checkpoint or --preset, not both")
     if args.shared_prefix and (args.concurrency_range or args.dataset or args.input_len_range):
         fail("--shared-prefix: not with --concurrency-range, --dataset or --input-len-range")
+    if args.request_rate != float("inf") and (args.shared_prefix or args.concurrency_range):
+        fail("--request-rate: not with --shared-prefix or --concurrency-range (they send bursts)")
     if args.dataset and not os.path.isfile(args.dataset):
         fail(f"--dataset: {args.dataset} is not a file")
 
@@ -205,7 +207,8 @@ class StartedServer:
     def fail(self, message: str):
         raise SystemExit(f"dsa bench serve: {message}; the end of its log ({self.log.name}):\n{self.tail()}")
 
-    def stop(self) -> None:
+    def stop(self, keep_log: bool = True) -> None:
+        """End the server (SIGTERM, then SIGKILL after 60 s); the log stays unless ``keep_log`` is false."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -214,6 +217,8 @@ class StartedServer:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        if not keep_log:
+            os.remove(self.log.name)
 
 
 def read_compiles(client, url: str):
@@ -401,9 +406,16 @@ def run(args) -> int:
             before = read_compiles(client, url)
             rows, duration = asyncio.run(run_plan(url, args.api_key, model, plan, args))
             after = read_compiles(client, url)
-    finally:
+    except BaseException:
         if started is not None:
             started.stop()
+            print(f"the server's log: {started.log.name}", file=sys.stderr)
+        raise
+    failed = sum(r["error"] is not None for r in rows)
+    if started is not None:
+        started.stop(keep_log=failed > 0)
+        if failed:
+            print(f"the server's log: {started.log.name}")
     server = {"url": url, "started": started is not None, "model": model,
               "ready_s": None if started is None else started.ready_s,
               "kernel_compiles_after_ready": None if before is None or after is None else after - before}
