@@ -3,10 +3,15 @@
 Tensor parallel runs start one process per rank under torchrun (``torchrun --nproc-per-node 2 -m dsa
 bench engine --tp 2``, ``torchrun --nproc-per-node 2 -m dsa bench allreduce``); rank 0 prints and
 writes the file.
+
+``dsa bench serve`` is the exception: a load generator for ``dsa serve`` (no ceilings, no GPU needed).
 """
 import importlib
 import os
 import shlex
+
+from dsa.bench import serve as serve_bench
+from dsa.commands.options import add_model_arguments
 
 TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> rows
     "indexer": "dsa.bench.indexer",
@@ -23,8 +28,9 @@ DISTRIBUTED = ("allreduce",)  # ops that run under torchrun only
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks on a CUDA GPU (ceilings, kernels, layer, engine) and reports")
-    p.add_argument("op", choices=["ceilings", *TIMED, "render", "plot"])
+    p = sub.add_parser("bench", help="benchmarks on a CUDA GPU (ceilings, kernels, layer, engine), reports, and "
+                       "serve: a load generator for dsa serve")
+    p.add_argument("op", choices=["ceilings", *TIMED, "render", "plot", "serve"])
     p.add_argument("--out", default="benchmarks/results", help="folder for the result JSON (default: %(default)s)")
     p.add_argument("--reps", type=int, default=30, help="timed calls per row (median reported)")
     p.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
@@ -38,6 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("--figures", default="benchmarks/figures", help="plot: folder for the PNGs")
     p.add_argument("--readme", default=None, help="render: README to update between the perf markers")
     p.add_argument("--git-sha", default=None, help="record this commit (default: what git rev-parse HEAD says here)")
+    g = p.add_argument_group("serve", "dsa bench serve: the server it starts (model options) and the load")
+    add_model_arguments(g)
+    serve_bench.add_arguments(g)
     p.set_defaults(func=run)
 
 
@@ -79,6 +88,8 @@ def run(args) -> int:
         paths = plot_results(args.results, args.figures)
         print("wrote " + (", ".join(paths) if paths else "nothing (no result rows with a context length)"))
         return 0
+    if args.op == "serve":
+        return serve_bench.run(args)
     if args.op == "render":
         from dsa.bench.report import render_command, tp_compare_command
         return tp_compare_command(args.results) if args.tp_compare else render_command(args.results, args.readme)

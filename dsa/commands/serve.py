@@ -11,11 +11,14 @@ import logging
 import os
 
 from dsa.commands.options import add_model_arguments, llm_from_args
+from dsa.model.presets import PRESETS
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install -e '.[serve]')")
     add_model_arguments(p)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a random-weight preset with the byte-level tokenizer "
+                   "instead of a checkpoint (default: the embedded default model, demo-gpu on CUDA, demo-cpu else)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="default: %(default)s")
     p.add_argument("--api-key", default=os.environ.get("DSA_API_KEY"),
@@ -48,7 +51,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     llm = llm_from_args(args, "serve")
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
-                                      else "dsa-default")
+                                      else f"dsa-{args.preset}" if args.preset else "dsa-default")
     app = build_app(llm, EngineLoop(llm.engine), name, args.api_key, args.max_queued, args.request_timeout)
 
     class Server(uvicorn.Server):

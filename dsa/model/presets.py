@@ -6,6 +6,8 @@
 ``index_topk=2048``). Both use the byte-level tokenizer's vocabulary (bytes 0-255, BOS 256, EOS 257;
 :mod:`dsa.serve.tokenizer`). ``tiny`` and ``glm-skip-small`` are test and recall shapes.
 """
+import dataclasses
+
 import torch
 
 from dsa.config import DSAConfig
@@ -34,9 +36,19 @@ PRESETS = {  # name -> a config factory
 def default_model(device, dtype: torch.dtype | None = None, seed: int = 0, tp_size: int = 1):
     """The embedded default model: random weights (seed ``seed``), the ``demo-gpu`` shapes on CUDA
     (bf16), else the ``demo-cpu`` ones (fp32)."""
+    cuda = torch.device(device).type == "cuda"
+    return preset_model("demo-gpu" if cuda else "demo-cpu", device, dtype, seed, tp_size)
+
+
+def preset_model(name: str, device, dtype: torch.dtype | None = None, seed: int = 0, tp_size: int = 1):
+    """A preset with random weights (seed ``seed``) and the byte-level tokenizer's vocabulary (the
+    presets with another vocabulary get the byte one), bf16 on CUDA, else fp32."""
     from dsa.model import DSAModel
+    if name not in PRESETS:
+        raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
     device = torch.device(device)
-    cuda = device.type == "cuda"
-    config = PRESETS["demo-gpu" if cuda else "demo-cpu"]()
-    return DSAModel.random(config, seed=seed, dtype=dtype or (torch.bfloat16 if cuda else torch.float32), device=device,
-                           tp_size=tp_size)
+    config = PRESETS[name]()
+    if (config.vocab_size, config.bos_token_id, config.eos_token_id) != (BYTE_VOCAB_SIZE, BYTE_BOS_ID, BYTE_EOS_ID):
+        config = dataclasses.replace(config, **BYTE_VOCAB)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return DSAModel.random(config, seed=seed, dtype=dtype, device=device, tp_size=tp_size)

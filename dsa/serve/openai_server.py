@@ -31,6 +31,7 @@ from dsa.engine.sampling import SamplingParams
 from dsa.model.plan import PATHS
 from dsa.serve.chat_template import ChatTemplateError
 from dsa.serve.engine_loop import EngineLoop, Submission
+from dsa.serve.metrics import LatencyMetrics
 
 log = logging.getLogger("dsa.serve")
 CHAT_DEFAULT_MAX_TOKENS = 256  # chat without max_tokens: this many, or what is left of the context
@@ -127,6 +128,7 @@ class _Server:
         self.calls = set()  # _Call objects in flight
         self.draining = False
         self.created = int(time.time())
+        self.latency = LatencyMetrics()  # TTFT, ITL, end-to-end and queue time histograms
         engine = llm.engine
         self.limit = min(engine.config.max_position_embeddings, engine.capacity_tokens)
         self.limit_name = ("max_position_embeddings" if self.limit == engine.config.max_position_embeddings
@@ -293,7 +295,8 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(loop.metrics()), media_type="text/plain; version=0.0.4")
+        text = prometheus_text(loop.metrics()) + server.latency.text()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
@@ -376,9 +379,14 @@ class _Call:
         self.reasons = [None] * len(self.subs)  # finish reason per choice
         self.deadline = None  # time.monotonic() when it is aborted (request_timeout)
         self.aborted = None  # why the server aborted it: "request timeout", "shutdown"
+        self.timers = [server.latency.timer(self.t0) for _ in self.subs]
         self.include_usage = body.stream_options is not None and body.stream_options.include_usage
         self.base = {"id": self.id, "object": "chat.completion" if chat else "text_completion",
                      "created": int(time.time()), "model": server.model_name}
+
+    def timed(self, d) -> None:
+        """Time a delta as the handler passes it on (the latency histograms)."""
+        self.timers[d.index].token(d, self.subs[d.index].admitted)
 
     def usage(self) -> dict:
         prompt, done = sum(len(s.prompt_ids) for s in self.subs), sum(self.counts)
@@ -437,6 +445,7 @@ async def _respond(request: Request, server: _Server, prompts: list, sampling: S
     try:
         async for d in _deltas(request, call, watch_disconnect=True):
             call.counts[d.index] += len(d.token_ids)
+            call.timed(d)
             texts[d.index] += d.text or ""
             lps[d.index] += d.logprobs or []
             if d.finished:
@@ -466,6 +475,7 @@ async def _events(request: Request, call: _Call):
                                               "logprobs": None, "finish_reason": None}]})
         async for d in _deltas(request, call, watch_disconnect=False):
             call.counts[d.index] += len(d.token_ids)
+            call.timed(d)
             reason = d.finish_reason
             if not d.text and reason is None and not d.logprobs:
                 continue

@@ -1,0 +1,439 @@
+"""``dsa bench serve``: a load generator for the OpenAI-compatible server (in the spirit of ``vllm bench serve``).
+
+It starts ``dsa serve`` in a subprocess on a free loopback port (``--preset``, ``--checkpoint``,
+``--device``, ``--max-batch-tokens``, ``--num-blocks`` pass through) and times it to a healthy
+``/health``, or targets a running server (``--url``). Then it streams ``/v1/completions``
+requests: prompts are token ids (exact lengths), random words from a fixed word list (seeded; each
+prompt starts with its own number, so no two share a cached block), spans of ``--dataset FILE``, or
+with ``--shared-prefix N`` groups of N questions on one document. Requests go out with at most
+``--concurrency`` in flight, at Poisson arrivals (``--request-rate``), or in bursts of
+``--concurrency-range A B`` requests; ``--input-len-range`` and ``--max-tokens-range`` draw each
+request's lengths uniformly.
+
+Per request: TTFT (to the first chunk carrying text or a finish), ITL (between such chunks), TPOT
+((end-to-end - TTFT) / (output tokens - 1)) and end-to-end latency. Output tokens are the stream's
+``usage`` (``stream_options.include_usage``), else its chunks. Kernel compiles after ready: the
+server's ``dsa_kernel_compiles_total`` before and after the run (null when it does not export it).
+"""
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from dsa.model.presets import PRESETS
+
+# a fixed word list: prompts are seeded draws from it
+WORDS = ("time year people way day man thing woman life child world school state family student group country "
+         "problem hand part place case week company system program question work government number night point "
+         "home water room mother area money story fact month lot right study book eye job word business issue side "
+         "kind head house service friend father power hour game line end member law car city community name "
+         "president team minute idea kid body information back parent face others level office door health person "
+         "art war history party result change morning reason research girl guy moment air teacher force education "
+         "foot boy age policy music market sense nation plan college interest death experience effect class control "
+         "care field development role effort rate heart drug show leader light voice wife police mind price report "
+         "decision son view relationship town road arm difference value building action model season society tax "
+         "director position player record paper space ground form event official matter center couple site project "
+         "activity star table need court oil situation cost industry figure street image phone data picture").split()
+COMPILES = "dsa_kernel_compiles_total"
+
+
+def add_arguments(g) -> None:
+    """The serve bench's options (the model options come from ``dsa.commands.options``)."""
+    g.add_argument("--url", help="a running server (e.g. http://127.0.0.1:8000); default: start "
+                   "dsa serve on a free loopback port")
+    g.add_argument("--preset", choices=sorted(PRESETS), help="the started server's random-weight preset "
+                   "(default: the embedded default model)")
+    g.add_argument("--api-key", default=os.environ.get("DSA_API_KEY"), help="the server's key (default: "
+                   "$DSA_API_KEY)")
+    g.add_argument("--num-requests", type=int, default=64, help="requests to send (default: %(default)s)")
+    g.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default: "
+                   "%(default)s)")
+    g.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second "
+                   "(default: inf, each request when a slot frees)")
+    g.add_argument("--concurrency-range", type=int, nargs=2, metavar=("A", "B"), help="bursts of a uniform "
+                   "A..B requests sent at once, each after the last finished")
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: %(default)s)")
+    g.add_argument("--input-len-range", type=int, nargs=2, metavar=("A", "B"), help="prompt tokens drawn "
+                   "uniformly from A..B per request")
+    g.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default: %(default)s)")
+    g.add_argument("--max-tokens-range", type=int, nargs=2, metavar=("A", "B"), help="max_tokens drawn "
+                   "uniformly from A..B per request")
+    g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (every output max_tokens long)")
+    g.add_argument("--dataset", help="a text file; prompts are random spans of it (default: random words)")
+    g.add_argument("--tokenizer", help="tokenizer folder for prompt lengths (default: the checkpoint's, "
+                   "else the byte-level one of the embedded model and presets)")
+    g.add_argument("--shared-prefix", type=int, metavar="N", help="groups of N questions on one document "
+                   "of --input-len tokens, a group sent at once")
+    g.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals (default: %(default)s)")
+    g.add_argument("--json", help="result file (default: <--out>/serve-<gpu or cpu>-<date>.json)")
+    g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds the started server gets to "
+                   "answer /health (default: %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may wait for "
+                   "a chunk (default: %(default)s)")
+
+
+def check_args(args) -> None:
+    """One-line errors naming the argument."""
+    def fail(msg):
+        raise SystemExit(f"dsa bench serve: {msg}")
+    for name in ("num_requests", "concurrency", "input_len", "max_tokens", "shared_prefix"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')}: expected at least 1, got {value}")
+    if not args.request_rate > 0:
+        fail(f"--request-rate: expected a positive rate, got {args.request_rate}")
+    for name in ("input_len_range", "max_tokens_range", "concurrency_range"):
+        r = getattr(args, name)
+        if r is not None and not 1 <= r[0] <= r[1]:
+            fail(f"--{name.replace('_', '-')}: expected 1 <= A <= B, got {r[0]} {r[1]}")
+    if args.url and (args.preset or args.checkpoint):
+        fail("--url: a running server; --preset and --checkpoint are for the one this command starts")
+    if args.preset and args.checkpoint:
+        fail("--preset: give --checkpoint or --preset, not both")
+    if args.shared_prefix and (args.concurrency_range or args.dataset or args.input_len_range):
+        fail("--shared-prefix: not with --concurrency-range, --dataset or --input-len-range")
+    if args.request_rate != float("inf") and (args.shared_prefix or args.concurrency_range):
+        fail("--request-rate: not with --shared-prefix or --concurrency-range (they send bursts)")
+    if args.dataset and not os.path.isfile(args.dataset):
+        fail(f"--dataset: {args.dataset} is not a file")
+
+
+# ---- prompts --------------------------------------------------------------------------------
+def load_tokenizer(args):
+    from dsa.serve.tokenizer import ByteTokenizer, Tokenizer
+    folder = args.tokenizer or (args.checkpoint if args.checkpoint and
+                                os.path.exists(os.path.join(args.checkpoint, "tokenizer.json")) else None)
+    return Tokenizer.from_pretrained(folder) if folder else ByteTokenizer()
+
+
+def _words(tok, rng: random.Random, n: int, head: str = "", special: bool = True) -> list:
+    """``n`` token ids of ``head`` then random words."""
+    count = n
+    while True:
+        ids = tok.encode(head + " ".join(rng.choice(WORDS) for _ in range(count)), add_special_tokens=special)
+        if len(ids) >= n:
+            return ids[:n]
+        count *= 2
+
+
+def build_plan(args, tok) -> list:
+    """``[{"prompt": ids, "max_tokens": n, "burst": k}]``: ``burst`` groups requests sent at once (None: the
+    --concurrency / --request-rate schedule)."""
+    rng = random.Random(args.seed)
+    n = args.num_requests
+    input_lens = [rng.randint(*args.input_len_range) if args.input_len_range else args.input_len for _ in range(n)]
+    max_tokens = [rng.randint(*args.max_tokens_range) if args.max_tokens_range else args.max_tokens for _ in range(n)]
+    if args.shared_prefix:
+        plan, doc = [], None
+        for i in range(n):
+            group = i // args.shared_prefix
+            if i % args.shared_prefix == 0:
+                doc = _words(tok, rng, args.input_len, f"Document {group}: ")
+            question = _words(tok, rng, 16, f"\nQuestion {i % args.shared_prefix}: ", special=False) + \
+                tok.encode("?", add_special_tokens=False)
+            plan.append({"prompt": doc + question, "max_tokens": max_tokens[i], "burst": group})
+        return plan
+    if args.dataset:
+        with open(args.dataset, encoding="utf-8", errors="replace") as f:
+            corpus = tok.encode(f.read(), add_special_tokens=False)
+        bos = [] if getattr(tok, "bos_token_id", None) is None else [tok.bos_token_id]
+        if len(corpus) + len(bos) < max(input_lens):
+            raise SystemExit(f"dsa bench serve: --dataset: {args.dataset} has {len(corpus)} tokens, fewer than the "
+                             f"prompt length {max(input_lens)}")
+        prompts = []
+        for length in input_lens:
+            start = rng.randrange(len(corpus) - (length - len(bos)) + 1)
+            prompts.append(bos + corpus[start:start + length - len(bos)])
+    else:
+        prompts = [_words(tok, rng, length, f"{i}. ") for i, length in enumerate(input_lens)]
+    bursts = [None] * n
+    if args.concurrency_range:
+        i, burst = 0, 0
+        while i < n:
+            size = rng.randint(*args.concurrency_range)
+            bursts[i:i + size] = [burst] * len(bursts[i:i + size])
+            i, burst = i + size, burst + 1
+    return [{"prompt": p, "max_tokens": m, "burst": b} for p, m, b in zip(prompts, max_tokens, bursts)]
+
+
+# ---- the server -----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StartedServer:
+    """``dsa serve`` in a subprocess on a free loopback port; its output in a log file."""
+
+    def __init__(self, args):
+        import httpx
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "dsa", "serve", "--port", str(port), "--max-batch-tokens",
+               str(args.max_batch_tokens)]
+        for flag in ("preset", "checkpoint", "device", "dtype", "num_blocks"):
+            if getattr(args, flag) is not None:
+                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="dsa-bench-serve-", suffix=".log", delete=False)
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = t0 + args.ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                self.fail(f"the server exited with code {self.proc.returncode} before it was ready")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() > deadline:
+                self.stop()
+                self.fail(f"--ready-timeout: the server did not answer /health within {args.ready_timeout:g} s")
+            time.sleep(0.2)
+        self.ready_s = time.perf_counter() - t0
+
+    def tail(self, lines: int = 20) -> str:
+        with open(self.log.name) as f:
+            return "".join(f.readlines()[-lines:])
+
+    def fail(self, message: str):
+        raise SystemExit(f"dsa bench serve: {message}; the end of its log ({self.log.name}):\n{self.tail()}")
+
+    def stop(self, keep_log: bool = True) -> None:
+        """End the server (SIGTERM, then SIGKILL after 60 s); the log stays unless ``keep_log`` is false."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        if not keep_log:
+            os.remove(self.log.name)
+
+
+def read_compiles(client, url: str):
+    """The sum of ``dsa_kernel_compiles_total`` samples in ``/metrics``; None when absent."""
+    try:
+        text = client.get(url + "/metrics").text
+    except Exception:  # noqa: BLE001 - the metric is optional
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(COMPILES) and line[len(COMPILES):len(COMPILES) + 1] in (" ", "{")]
+    return sum(values) if values else None
+
+
+# ---- requests -------------------------------------------------------------------------------
+async def send(client, url: str, model: str, item: dict, ignore_eos: bool) -> dict:
+    """One streamed completion: its timings and counts (``error`` set when it failed)."""
+    body = {"model": model, "prompt": item["prompt"], "max_tokens": item["max_tokens"], "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    row = {"input_tokens": len(item["prompt"]), "max_tokens": item["max_tokens"], "output_tokens": 0, "chunks": 0,
+           "ttft_s": None, "e2e_s": None, "itl_s": [], "finish_reason": None, "usage": None, "error": None}
+    t0 = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                try:
+                    text = json.loads(text)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    pass
+                row["error"] = f"HTTP {r.status_code}: {text}"[:300]
+                return row
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    row["error"] = str(chunk["error"].get("message"))[:300]
+                    return row
+                if chunk.get("usage"):
+                    row["usage"] = chunk["usage"]
+                for choice in chunk.get("choices", []):
+                    if not choice.get("text") and choice.get("finish_reason") is None:
+                        continue
+                    now = time.perf_counter()
+                    if row["ttft_s"] is None:
+                        row["ttft_s"] = now - t0
+                    else:
+                        row["itl_s"].append(now - last)
+                    last = now
+                    row["chunks"] += 1
+                    row["finish_reason"] = choice.get("finish_reason") or row["finish_reason"]
+    except Exception as e:  # noqa: BLE001 - a failed request is a result
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+        return row
+    row["e2e_s"] = last - t0
+    if row["finish_reason"] is None:
+        row["error"] = "the stream ended without a finish_reason"
+    usage = row["usage"]
+    row["output_tokens"] = usage["completion_tokens"] if usage else row["chunks"]
+    if usage:
+        row["input_tokens"] = usage["prompt_tokens"]
+    return row
+
+
+async def run_plan(url: str, api_key, model: str, plan: list, args) -> tuple:
+    """Send the plan; returns (rows in plan order, seconds from the first send to the last finish)."""
+    import httpx
+    from tqdm import tqdm
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    rows = [None] * len(plan)
+    rng = random.Random(args.seed + 1)
+    async with httpx.AsyncClient(headers=headers, timeout=args.request_timeout, limits=limits) as client:
+        bar = tqdm(total=len(plan), desc="dsa bench serve", unit="req")
+
+        async def one(i):
+            rows[i] = await send(client, url, model, plan[i], args.ignore_eos)
+            bar.update(1)
+
+        t0 = time.perf_counter()
+        if plan[0]["burst"] is not None:  # bursts: each sent at once, after the last finished
+            bursts = {}
+            for i, item in enumerate(plan):
+                bursts.setdefault(item["burst"], []).append(i)
+            for ids in bursts.values():
+                await asyncio.gather(*(one(i) for i in ids))
+        else:
+            slots, tasks = asyncio.Semaphore(args.concurrency), []
+
+            async def held(i):
+                try:
+                    await one(i)
+                finally:
+                    slots.release()
+            for i in range(len(plan)):
+                if args.request_rate != float("inf"):
+                    await asyncio.sleep(rng.expovariate(args.request_rate))
+                await slots.acquire()
+                tasks.append(asyncio.create_task(held(i)))
+            await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        bar.close()
+    return rows, duration
+
+
+# ---- the report -----------------------------------------------------------------------------
+def stats(values: list) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
+
+
+def summarize(rows: list, duration: float, args) -> dict:
+    done = [r for r in rows if r["error"] is None]
+    output = sum(r["output_tokens"] for r in done)
+    total = output + sum(r["input_tokens"] for r in done)
+    tpot = [(r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in done if r["output_tokens"] > 1]
+    errors = sorted({r["error"] for r in rows if r["error"] is not None})
+    return {
+        "requests": len(rows), "completed": len(done), "failed": len(rows) - len(done), "errors": errors[:5],
+        "duration_s": duration, "requests_per_s": len(done) / duration if duration else None,
+        "input_tokens": total - output, "output_tokens": output,
+        "output_tokens_per_s": output / duration if duration else None,
+        "total_tokens_per_s": total / duration if duration else None,
+        "tokens_from": "usage" if done and all(r["usage"] for r in done) else "chunks",
+        "short_outputs": sum(r["output_tokens"] < r["max_tokens"] for r in done) if args.ignore_eos else None,
+        "ttft_s": stats([r["ttft_s"] for r in done]), "tpot_s": stats(tpot),
+        "itl_s": stats([x for r in done for x in r["itl_s"]]), "e2e_s": stats([r["e2e_s"] for r in done]),
+    }
+
+
+def print_summary(s: dict, server: dict) -> None:
+    def ms(d):
+        return "  ".join(f"{k} {1e3 * v:.1f}" if v is not None else f"{k} -" for k, v in d.items())
+    if server["ready_s"] is not None:
+        print(f"server ready in {server['ready_s']:.1f} s")
+    print(f"requests {s['completed']}/{s['requests']} ok, {s['failed']} failed in {s['duration_s']:.2f} s "
+          f"({s['requests_per_s'] or 0:.2f} req/s)")
+    print(f"tokens in {s['input_tokens']}, out {s['output_tokens']} ({s['tokens_from']}); output "
+          f"{s['output_tokens_per_s'] or 0:.1f} tok/s, total {s['total_tokens_per_s'] or 0:.1f} tok/s")
+    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        print(f"{name[:-2].upper():5} ms: {ms(s[name])}")
+    print(f"kernel compiles after ready: {server['kernel_compiles_after_ready']}")
+    for e in s["errors"]:
+        print(f"error: {e}")
+
+
+def device_slug(args) -> str:
+    import torch
+
+    from dsa.bench.harness import gpu_slug
+    device = args.device if args.url is None else None
+    if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
+        return gpu_slug(torch.cuda.get_device_name())
+    return "cpu"
+
+
+def run(args) -> int:
+    import httpx
+
+    from dsa.bench.harness import env_info
+    check_args(args)
+    tok = load_tokenizer(args)
+    plan = build_plan(args, tok)
+    started = None if args.url else StartedServer(args)
+    url = (args.url or started.url).rstrip("/")
+    try:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        with httpx.Client(headers=headers, timeout=30.0) as client:
+            try:
+                r = client.get(url + "/v1/models")
+            except httpx.HTTPError as e:
+                raise SystemExit(f"dsa bench serve: --url: {url} does not answer ({type(e).__name__}: {e})") from None
+            if r.status_code != 200:
+                raise SystemExit(f"dsa bench serve: {url}/v1/models answered HTTP {r.status_code} "
+                                 f"(a key? --api-key): {r.text[:200]}")
+            model = r.json()["data"][0]["id"]
+            before = read_compiles(client, url)
+            rows, duration = asyncio.run(run_plan(url, args.api_key, model, plan, args))
+            after = read_compiles(client, url)
+    except BaseException:
+        if started is not None:
+            started.stop()
+            print(f"the server's log: {started.log.name}", file=sys.stderr)
+        raise
+    failed = sum(r["error"] is not None for r in rows)
+    if started is not None:
+        started.stop(keep_log=failed > 0)
+        if failed:
+            print(f"the server's log: {started.log.name}")
+    server = {"url": url, "started": started is not None, "model": model,
+              "ready_s": None if started is None else started.ready_s,
+              "kernel_compiles_after_ready": None if before is None or after is None else after - before}
+    summary = summarize(rows, duration, args)
+    if args.ignore_eos and summary["short_outputs"]:
+        print(f"warning: --ignore-eos: {summary['short_outputs']} requests ended before max_tokens")
+    env = env_info()
+    path = args.json or os.path.join(args.out, f"serve-{device_slug(args)}-{env['date']}.json")
+    given = {k: (None if v == float("inf") else v) for k, v in vars(args).items() if k != "func"}
+    doc = {"op": "serve", "env": env, "args": given,
+           "server": server, "summary": summary,
+           "rows": [{"index": i, "burst": p["burst"], **{k: v for k, v in r.items() if k != "usage"}}
+                    for i, (p, r) in enumerate(zip(plan, rows))]}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    print_summary(summary, server)
+    print(f"wrote {path}")
+    return 0 if summary["failed"] == 0 else 1
+

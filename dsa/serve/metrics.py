@@ -1,0 +1,84 @@
+"""Request latency histograms for ``/metrics`` (Prometheus text: ``_bucket{le}``, ``_sum``, ``_count``).
+
+Measured by the HTTP handlers on the server's event loop (no lock needed): a request's clock
+starts when its handler starts the response (the body parsed, the prompt tokenized and checked),
+each token is timed when the handler passes it on (sent as a stream chunk, or held back while its
+text is an incomplete character), and the histograms are observed when the request finishes
+(stop or length; aborted and disconnected requests are not counted). The queue time runs from
+that start to the start of the engine step that first admitted the request (it got its blocks).
+"""
+import bisect
+import time
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                   160.0, 320.0, 640.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+class Histogram:
+    def __init__(self, name: str, help_: str, buckets: tuple):
+        self.name, self.help, self.buckets = name, help_, buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one: above every bucket (+Inf only)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, seconds)] += 1
+        self.sum += seconds
+
+    def lines(self) -> list:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        total = 0
+        for le, n in zip([*(f"{b:g}" for b in self.buckets), "+Inf"], self.counts):
+            total += n
+            out.append(f'{self.name}_bucket{{le="{le}"}} {total}')
+        out += [f"{self.name}_sum {self.sum:.6f}", f"{self.name}_count {total}"]
+        return out
+
+
+class LatencyMetrics:
+    """The four histograms; :meth:`timer` gives one request's :class:`RequestTimer`."""
+
+    def __init__(self):
+        self.ttft = Histogram("dsa_time_to_first_token_seconds",
+                              "From the request's start to its first token, per finished request.", LATENCY_BUCKETS)
+        self.itl = Histogram("dsa_inter_token_latency_seconds",
+                             "Between consecutive tokens of a request, per token gap.", TOKEN_BUCKETS)
+        self.e2e = Histogram("dsa_e2e_request_latency_seconds",
+                             "From the request's start to its last token, per finished request.", LATENCY_BUCKETS)
+        self.queue = Histogram("dsa_request_queue_time_seconds",
+                               "From the request's start to the engine step that admitted it, per finished request.",
+                               LATENCY_BUCKETS)
+
+    def timer(self, start: float) -> "RequestTimer":
+        return RequestTimer(self, start)
+
+    def text(self) -> str:
+        return "\n".join(line for h in (self.ttft, self.itl, self.e2e, self.queue) for line in h.lines()) + "\n"
+
+
+class RequestTimer:
+    """One request's token times (``time.perf_counter`` clock); observed into the histograms at its finish."""
+
+    def __init__(self, metrics: LatencyMetrics, start: float):
+        self.metrics, self.start = metrics, start
+        self.first = self.last = None
+        self.gaps = []
+
+    def token(self, delta, admitted: float | None) -> None:
+        """Call with each delta as the handler passes it on; ``admitted``: the submission's admission time."""
+        if delta.token_ids:
+            now = time.perf_counter()
+            if self.first is None:
+                self.first = now
+            else:
+                self.gaps.append(now - self.last)
+            self.last = now
+        if delta.finished and delta.finish_reason != "abort" and self.first is not None:
+            m = self.metrics
+            m.ttft.observe(self.first - self.start)
+            m.e2e.observe(self.last - self.start)
+            for gap in self.gaps:
+                m.itl.observe(gap)
+            if admitted is not None:
+                m.queue.observe(max(0.0, admitted - self.start))
