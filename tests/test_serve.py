@@ -354,11 +354,12 @@ def test_stats_line_while_busy(llm, caplog):
     lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
     assert len(lines) == 4, lines
     pattern = (r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [\d.]+ tokens/s, "
-               r"Running: [01] reqs, Waiting: 0 reqs, Cache usage: [\d.]+%, Prefix cache hit rate: [\d.]+%")
+               r"Running: [01] reqs, Waiting: 0 reqs, Preemptions: 0, Cache usage: [\d.]+%, "
+               r"Prefix cache hit rate: [\d.]+%")
     assert all(re.fullmatch(pattern, line) for line in lines), lines
     # the first 10 s: the prompt's 3 rows and 2 tokens; the last line comes after the request finished
     assert lines[0].startswith("Avg prompt throughput: 0.3 tokens/s, Avg generation throughput: 0.2 tokens/s, "
-                               "Running: 1 reqs, Waiting: 0 reqs, Cache usage: 1.6%")
+                               "Running: 1 reqs, Waiting: 0 reqs, Preemptions: 0, Cache usage: 1.6%")
     assert "Avg prompt throughput: 0.0 tokens/s" in lines[1] and "Running: 0 reqs" in lines[-1]
 
 

@@ -174,8 +174,7 @@ class EngineLoop:
         parts = [f"Avg prompt throughput: {(end[1] - start[1]) / seconds:.1f} tokens/s",
                  f"Avg generation throughput: {(end[2] - start[2]) / seconds:.1f} tokens/s",
                  f"Running: {len(e.running)} reqs", f"Waiting: {len(e.waiting)} reqs"]
-        if hasattr(s, "preempted"):
-            parts.append(f"Preempted: {s.preempted} reqs")
+        parts.append(f"Preemptions: {s.preemptions}")
         hit = s.prefix.hit_tokens / s.prefix.prompt_tokens if s.prefix.prompt_tokens else 0.0
         parts += [f"Cache usage: {100 * s.blocks_in_use / e.num_blocks:.1f}%",
                   f"Prefix cache hit rate: {100 * hit:.1f}%"]
@@ -195,6 +194,8 @@ class EngineLoop:
         return {"running": len(e.running), "waiting": len(e.waiting), "generated_tokens": e.stats.generated_tokens,
                 "prompt_tokens": self.prompt_tokens, "tokens_per_second": self.tokens_per_second(),
                 "blocks_free": e.allocator.num_free, "blocks_in_use": e.num_blocks - e.allocator.num_free,
-                "blocks_cached": e.stats.prefix.cached_blocks,
+                "blocks_cached": e.stats.prefix.cached_blocks, "prefix": e.stats.prefix,
+                "preemptions": e.stats.preemptions, "kernel_compiles": e.stats.kernel_compiles,
+                "compiles_after_warmup": e.stats.compiles_after_warmup,
                 "rows": dict(e.stats.rows), "finished": dict(self.finished)}
 

@@ -521,4 +521,17 @@ def prometheus_text(m: dict) -> str:
            [("", m["blocks_cached"])])
     metric("rows_served_total", "counter", "Rows (tokens) served per attention path.",
            [(f'{{path="{p}"}}', m["rows"].get(p, 0)) for p in PATHS])
+    metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+           [("", m["prefix"].prompt_tokens)])
+    metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+           [("", m["prefix"].hit_tokens)])
+    metric("prefix_cache_evictions_total", "counter", "Cached blocks given to new requests.",
+           [("", m["prefix"].evictions)])
+    metric("preemptions_total", "counter", "Running requests that gave their blocks back to recompute later.",
+           [("", m["preemptions"])])
+    metric("kernel_compiles_total", "counter", "Triton/Gluon kernel variants built in this process.",
+           [("", m["kernel_compiles"])])
+    if m["compiles_after_warmup"] is not None:
+        metric("kernel_compiles_after_warmup_total", "counter", "Kernel variants built after the warm-up.",
+               [("", m["compiles_after_warmup"])])
     return "\n".join(lines) + "\n"
