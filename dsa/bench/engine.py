@@ -75,8 +75,12 @@ def decoding_engine(model, b: int, s: int, g: torch.Generator) -> Engine:
     for i in range(b):
         tokens = torch.randint(0, model.config.vocab_size, (s,), generator=torch.Generator().manual_seed(i))
         engine.add_request(tokens.tolist(), sampling=SamplingParams(max_tokens=steps, ignore_eos=True))  # greedy
-    engine.scheduler.schedule()  # admits every request: their blocks
-    for req in engine.scheduler.running.values():  # as if prefilled: the random cache rows stand for the prompt
+    sched = engine.scheduler
+    while sched.waiting:  # as if prefilled: the random cache rows stand for the prompt
+        req = sched.waiting.popleft()
+        sched.blocks.allocate(req)
+        sched.blocks.grow(req, s + 1)
+        sched.running[req.rid] = req
         req.computed = s
         req.tokens.append(0)  # its first token
     return engine

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# What the wave-3 H200 sessions ran (device machine, repo root), results and logs under $OUT.
+# Usage: bash benchmarks/run_wave3.sh <parts>
+#   t: the GPU tests of the changed paths (compiles, warm-up, graphs, syncs, model)   T: every GPU test
+#   s: dsa serve --preset demo-gpu started cold (empty Triton cache), start-to-ready, then dsa bench serve:
+#      one 32K prompt, a randomized run (200 requests, prompts 1-32768, max_tokens 1-256, concurrency 1-64),
+#      64 x 8K; then a second start (warm Triton cache) and its start-to-ready
+#   w: the serving workloads of issue #25 (64 x 8K, 16 x 32K, 16 questions on one 32K document, ITL at 32K)
+#   g: speed guards: bench layer and bench engine (--quick) of .base (the branch point, unpacked by the
+#      caller from `git archive f0020de`) and of this tree, in the same run
+# Wheels of the serve extra: .whl (see the device README); every part bounded by a timeout.
+set -uo pipefail
+PARTS=${1:-tsg}
+OUT=${OUT:-benchmarks/results}
+export PYTHONUNBUFFERED=1
+LOG=$OUT/wave3.log
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN
+export PYTHONPATH=/tmp/site
+python3 -m pip install --no-build-isolation --no-deps -q -e . 2>&1 | grep -v WARNING
+say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
+serve_up() {  # name: start dsa serve on port 8123, wait for /health, log the seconds
+  local t0=$(date +%s.%N)
+  python3 -m dsa serve --preset demo-gpu --port 8123 > "/tmp/$1.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 400); do
+    curl -sf http://127.0.0.1:8123/health > /dev/null && break
+    kill -0 $SERVER 2>/dev/null || break
+    sleep 0.5
+  done
+  say "$1: ready after $(echo "$(date +%s.%N) - $t0" | bc) s"
+  grep -E "warm-up|compiled|Error|error" "/tmp/$1.log" | grep -v "it/s\]" | tail -5 | tee -a "$LOG"
+}
+serve_down() { kill -TERM $SERVER; wait $SERVER; say "server exit code $?"; tail -3 "/tmp/$1.log" >> "$LOG"; }
+load() {  # name, seconds, bench serve arguments...
+  local name=$1 secs=$2; shift 2
+  say "bench serve $name: $*"
+  timeout "$secs" python3 -m dsa bench serve --url http://127.0.0.1:8123 --ignore-eos --json "$OUT/serve-$name.json" \
+    "$@" 2>&1 | grep -v "it/s\]" | tail -14 | tee -a "$LOG"
+}
+if [[ $PARTS == *t* || $PARTS == *T* ]]; then
+  say "GPU tests"
+  FILES="tests/test_compiles_gpu.py tests/test_warmup_gpu.py tests/test_graphs_gpu.py tests/test_guards_gpu.py tests/test_model_gpu.py"
+  [[ $PARTS == *T* ]] && FILES=""
+  timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider -x -s $FILES 2>&1 | grep -v "it/s\]" | tail -40 | tee -a "$LOG"
+fi
+if [[ $PARTS == *s* ]]; then
+  rm -rf ~/.triton/cache
+  serve_up cold
+  load 32k 60 --num-requests 1 --concurrency 1 --input-len 32000 --max-tokens 256
+  load random 200 --num-requests 200 --input-len-range 1 32768 --max-tokens-range 1 256 --concurrency-range 1 64
+  load 64x8k 120 --num-requests 64 --concurrency 64 --input-len 8000 --max-tokens 128
+  curl -s http://127.0.0.1:8123/metrics | grep -E "compiles|preempt" | tee -a "$LOG"
+  serve_down cold
+  serve_up warm
+  serve_down warm
+fi
+if [[ $PARTS == *w* ]]; then
+  serve_up warm
+  load 64x8k 120 --num-requests 64 --concurrency 64 --input-len 8000 --max-tokens 128
+  load 16x32k 120 --num-requests 16 --concurrency 16 --input-len 32000 --max-tokens 128
+  load shared 60 --shared-prefix 16 --num-requests 16 --concurrency 16 --input-len 32000 --max-tokens 32
+  load itl 60 --num-requests 1 --concurrency 1 --input-len 32000 --max-tokens 256
+  serve_down warm
+fi
+if [[ $PARTS == *g* ]]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/base ./.base 2>&1 | grep -v WARN
+  for op in layer engine; do
+    for side in base new; do
+      mkdir -p "$OUT/$side"
+      say "bench $op ($side)"
+      if [[ $side == base ]]; then PP=/tmp/base:/tmp/site; else PP=/tmp/site; fi
+      PYTHONPATH=$PP timeout 150 python3 -m dsa bench $op --quick --reps 20 --out "$OUT/$side" 2>&1 \
+        | grep -E "^(B=|dsa |dense |layer|engine|wrote|Traceback|[A-Za-z]*Error)" | tail -12 | tee -a "$LOG"
+    done
+  done
+fi
+exit 0
