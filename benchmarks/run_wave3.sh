@@ -19,7 +19,7 @@ export PYTHONPATH=/tmp/site
 python3 -m pip install --no-build-isolation --no-deps -q -e . 2>&1 | grep -v WARNING
 say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 serve_up() {  # name: start dsa serve on port 8123, wait for /health, log the seconds
-  local t0=$(date +%s.%N)
+  local t0=$(date +%s%N)
   python3 -m dsa serve --preset demo-gpu --port 8123 > "/tmp/$1.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 400); do
@@ -27,10 +27,13 @@ serve_up() {  # name: start dsa serve on port 8123, wait for /health, log the se
     kill -0 $SERVER 2>/dev/null || break
     sleep 0.5
   done
-  say "$1: ready after $(echo "$(date +%s.%N) - $t0" | bc) s"
-  grep -E "warm-up|compiled|Error|error" "/tmp/$1.log" | grep -v "it/s\]" | tail -5 | tee -a "$LOG"
+  say "$1: ready after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+  grep -E "compiled|Error|error" "/tmp/$1.log" | tail -5 | tee -a "$LOG"
 }
-serve_down() { kill -TERM $SERVER; wait $SERVER; say "server exit code $?"; tail -3 "/tmp/$1.log" >> "$LOG"; }
+serve_down() {
+  kill -TERM $SERVER; wait $SERVER; say "server exit code $?"
+  grep -E "compiled after warm-up|Traceback|Error" "/tmp/$1.log" | head -20 >> "$LOG"
+}
 load() {  # name, seconds, bench serve arguments...
   local name=$1 secs=$2; shift 2
   say "bench serve $name: $*"

@@ -10,15 +10,16 @@ width, padding, ``starts`` and batch composition:
 So a row's selection is a function of that row's valid window alone: it does not change with how
 far the row is padded, with the other rows of the batch, or with the device.
 """
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from .common import check_block_size, check_int, check_same_device, check_tensor, resolve_backend
 from .slots import positions_to_slots_reference
-from .topk_select import (_HBLOCK, _LBLOCK, _SBLOCK, _SEG, _Z, _append, _finish_fast, _finish_tiles, _gather_fronts,
-                          _guess, _key, _list_row, _place_kernel, _refine, _region_hist, _row_request, _row_selection,
-                          _row_window, _store_positions)
+from .topk_select import (_HBLOCK, _LBLOCK, _MAX_FAST_REGIONS, _SBLOCK, _SEG, _Z, _append, _finish_fast,
+                          _finish_tiles, _gather_fronts, _guess, _key, _list_row, _place_kernel, _refine,
+                          _region_hist, _row_request, _row_selection, _row_window, _store_positions)
 
 
 def _order_key(values: torch.Tensor) -> torch.Tensor:
@@ -261,6 +262,39 @@ def topk_indices(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: to
     if impl == "torch":
         return topk_indices_reference(logits, lengths, k, starts)
     return _topk_triton(logits, lengths, k, starts)
+
+
+def finish_tile_shapes(k: int, max_width: int, max_rows: int) -> dict:
+    """``{(FAST, CB, W): (rows, width)}``: one logits shape for each finish tile the launcher can
+    choose for logits of at most ``[max_rows, max_width]`` (the tile is a constexpr: each is a
+    variant to compile). The choice depends on the width and, through the regions per row, on the
+    row count; the set is small (powers of two)."""
+    shapes = {}
+    if max_width <= k:
+        return shapes
+    widths = np.arange(k + 1, max_width + 1)
+    for r in sorted({min(max_rows, n) for n in range(1, _PROGRAMS + 1)}):
+        chunks = np.minimum(-(-widths // _MIN_CHUNK), triton.cdiv(_PROGRAMS, r))
+        per_region = (k + _Z * np.sqrt(k * widths / _SAMPLE)) / 64 / chunks
+        w = np.minimum(_LBLOCK, 2 ** np.ceil(np.log2((2 * per_region).astype(np.int64) + 8))).astype(np.int64)
+        cb = np.maximum(1, np.minimum(2 ** np.ceil(np.log2(chunks)).astype(np.int64), _LBLOCK // w))
+        fast = (chunks <= cb) & (chunks <= _MAX_FAST_REGIONS)
+        for key, i in zip(*np.unique(np.stack((fast, cb, w), 1), axis=0, return_index=True)):
+            shapes.setdefault((bool(key[0]), int(key[1]), int(key[2])), (r, int(widths[i])))
+    return shapes
+
+
+def warm_topk_slots(k: int, max_width: int, max_rows: int, block_size: int, device) -> int:
+    """Launch :func:`topk_slots` once per finish tile it can choose up to ``[max_rows, max_width]``
+    (:func:`finish_tile_shapes`), so a server never compiles one later. Returns the launches."""
+    shapes = finish_tile_shapes(k, max_width, max_rows)
+    for rows, width in shapes.values():
+        logits = torch.randn(rows, width, device=device)
+        lengths = torch.full((rows,), width, dtype=torch.int32, device=device)
+        table = torch.zeros(1, triton.cdiv(width, block_size), dtype=torch.int32, device=device)
+        topk_slots(logits, lengths, k, table, torch.zeros(rows, dtype=torch.int32, device=device), lengths[:1],
+                   block_size)
+    return len(shapes)
 
 
 def topk_slots_reference(logits, lengths, k, block_table, row_to_req, seq_lens, block_size, starts=None):

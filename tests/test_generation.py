@@ -167,11 +167,11 @@ def test_a_failing_generate_leaves_the_pool_full(model, monkeypatch):
     calls = {"n": 0}
     real = engine.runner.run
 
-    def flaky(batch):
+    def flaky(*args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device lost")
-        return real(batch)
+        return real(*args)
 
     monkeypatch.setattr(engine.runner, "run", flaky)
     with pytest.raises(RuntimeError, match="device lost"):
@@ -220,3 +220,24 @@ def test_llm_on_a_transformers_checkpoint(text_checkpoint):
     assert len(chat) == 2
     with pytest.raises(ValueError, match="token ids must be in"):
         llm.generate([[0, 10 ** 6]])
+
+
+def test_overlapped_scheduling_gives_the_same_tokens_and_text(model):
+    """Step N+1 launched before step N's tokens are read: the same tokens, text and finish reasons
+    with stop tokens, stop strings, EOS, seeded sampling, logprobs and chunked prefill; no block
+    stays held, and a request that stopped gets no token of the step after."""
+    base = engine_for(model, overlap=False).generate([p(15, 9)], 24)[0]
+    prompts = [p(40, 30), p(9, 31), p(15, 9), p(23, 32)]
+    samplings = [SamplingParams(max_tokens=12, temperature=0.9, seed=7, logprobs=2),
+                 SamplingParams(max_tokens=20, stop=[chr(base[3])] if base[3] < 128 else [], temperature=0),
+                 SamplingParams(max_tokens=24, stop_token_ids=[base[5]], temperature=0),
+                 SamplingParams(max_tokens=1, temperature=0)]
+    runs = {}
+    for overlap in (False, True):
+        engine = engine_for(model, max_batch_tokens=24, overlap=overlap)
+        runs[overlap] = [(d.index, d.token_ids, d.text, d.finish_reason, d.logprobs)
+                         for d in engine.stream(prompts, sampling=samplings)]
+        assert engine.stats.blocks_in_use == 0 and not engine.has_work()
+    assert sorted(runs[True], key=lambda r: r[0]) == sorted(runs[False], key=lambda r: r[0])
+    third = [t for i, toks, *_ in runs[True] if i == 2 for t in toks]
+    assert third == base[:base.index(base[5]) + 1]  # stopped at its stop token, nothing after it

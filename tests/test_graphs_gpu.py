@@ -23,7 +23,7 @@ def _prompts():
 
 
 def _decoding(model, **kw):
-    engine = Engine(model, num_blocks=64, **kw)
+    engine = Engine(model, num_blocks=64, overlap=False, **kw)  # every step finished: the runner is driven by hand
     for p in _prompts():
         engine.add_request(p, 12)
     while any(r.prefilling for r in engine.running.values()) or engine.waiting:
@@ -68,7 +68,7 @@ def test_no_host_sync_inside_a_decode_step(model, graphs):
 def test_no_host_sync_inside_a_prefill_or_mixed_step(model, kind):
     g = torch.Generator().manual_seed(1)
     long = torch.randint(0, 512, (300,), generator=g).tolist()  # dense rows, then sparse rows (index_topk 64)
-    engine = _decoding(model) if kind == "mixed" else Engine(model, num_blocks=64)
+    engine = _decoding(model) if kind == "mixed" else Engine(model, num_blocks=64, overlap=False)
     engine.add_request(long, 4)
     engine.scheduler.max_batch_tokens = 128  # chunks behind a prefix after the first
     engine.step()  # compiles outside the checked step

@@ -61,8 +61,8 @@ def test_eviction_under_a_small_pool(model):
     assert runs[True][1].stats.prefix.evictions > 0
     engine = Engine(model, num_blocks=8)
     a = engine.add_request(prompt(66, 30), 14)  # 80 tokens: 5 of the 8 blocks from its first step on
-    engine.step()
-    held, out = list(engine.running[a].blocks), []
+    out = engine.step().get(a, [])
+    held = list(engine.running[a].blocks)
     for seed in (31, 32):  # b runs and leaves 2 cached blocks; c then needs them: they are evicted
         r = engine.add_request(prompt(40, seed), 3)
         while r in engine.running or any(w.rid == r for w in engine.waiting):
@@ -71,7 +71,7 @@ def test_eviction_under_a_small_pool(model):
     assert engine.stats.prefix.evictions == 2
     while a in engine.running:
         out += engine.step().get(a, [])
-    assert out == Engine(model, num_blocks=8).generate([prompt(66, 30)], 14)[0][1:]
+    assert out == Engine(model, num_blocks=8).generate([prompt(66, 30)], 14)[0]
 
 
 def test_interleaved_requests_with_different_prefixes(model):

@@ -27,7 +27,7 @@ def model(request):
 
 
 def _decoding_engine(model, n=3):
-    engine = Engine(model, num_blocks=32)
+    engine = Engine(model, num_blocks=32, overlap=False)  # every step finished: the runner is driven by hand
     for i in range(n):
         engine.add_request(prompt(20 + 7 * i, 40 + i), 8)
     while any(r.prefilling for r in engine.running.values()) or engine.waiting:
@@ -42,7 +42,7 @@ def _step_of(kind: str, model):
     """An engine and its next scheduled step: decode rows only, a fresh prefill (dense then sparse
     rows, the MHA path among them), or a mixed step (decode rows and a prefill chunk behind a prefix)."""
     if kind == "prefill":
-        engine = Engine(model, num_blocks=32)
+        engine = Engine(model, num_blocks=32, overlap=False)
         engine.add_request(prompt(45, 60), 4)
     else:
         engine = _decoding_engine(model)
@@ -93,9 +93,9 @@ def test_a_step_makes_no_host_round_trip(model, kind, monkeypatch):
 def test_one_plan_per_step_read_by_every_layer(model, monkeypatch):
     engine = _decoding_engine(model)
     builds, plans = [], []
-    real_build, real_forward = dsa.model.plan.BatchPlan.build.__func__, LightningIndexer.forward
-    monkeypatch.setattr(dsa.model.plan.BatchPlan, "build", classmethod(
-        lambda cls, *a, **kw: builds.append(real_build(cls, *a, **kw)) or builds[-1]))
+    real_derive, real_forward = dsa.model.plan.HostPlan.derive, LightningIndexer.forward
+    monkeypatch.setattr(dsa.model.plan.HostPlan, "derive",
+                        lambda self, buf: builds.append(real_derive(self, buf)) or builds[-1])
 
     def spy(self, x, qr, batch, *rest):
         plans.append(batch)

@@ -230,3 +230,30 @@ def test_every_path_is_exact():
     assert b[2] == 255, "the far row's k-th value must lie in the clamped top bin"
     assert fronts[3].max() > scratch["tiles"][1] and fronts[3].sum() > 512, "the constant row must take the slow paths"
     assert torch.all(total[4:] >= k) and torch.all(b[4:] < 255), "ordinary rows take the fast path"
+
+
+@pytest.mark.parametrize("k,max_width,max_rows", [(2048, 70000, 300), (64, 9000, 7), (512, 530, 1)],
+                         ids=["v32", "small", "one-row"])
+def test_finish_tile_shapes_cover_every_tile_the_launcher_picks(k, max_width, max_rows):
+    """The warm-up launches one shape per finish tile: every (rows, width) the launcher can meet
+    picks a tile in that set (so no tile compiles after warm-up)."""
+    import triton
+
+    from dsa.kernels.topk import _MIN_CHUNK, _PROGRAMS, _SAMPLE, finish_tile_shapes
+    from dsa.kernels.topk_select import _finish_tiles
+    shapes = finish_tile_shapes(k, max_width, max_rows)
+    g = torch.Generator().manual_seed(k)
+    widths = torch.randint(k + 1, max_width + 1, (300,), generator=g).tolist() + [k + 1, max_width]
+    for width in widths:
+        for r in {1, max_rows, int(torch.randint(1, max_rows + 1, (1,), generator=g))}:
+            chunks = max(1, min(triton.cdiv(width, _MIN_CHUNK), triton.cdiv(_PROGRAMS, r)))
+            tile = _finish_tiles(k, width, _SAMPLE, chunks)
+            assert tile in shapes, (r, width, tile, sorted(shapes))
+    for (fast, cb, w), (r, width) in shapes.items():  # each representative picks its own tile
+        chunks = max(1, min(triton.cdiv(width, _MIN_CHUNK), triton.cdiv(_PROGRAMS, r)))
+        assert _finish_tiles(k, width, _SAMPLE, chunks) == (fast, cb, w) and r <= max_rows and width <= max_width
+
+
+def test_warm_topk_slots_launches_each_tile_once():
+    from dsa.kernels.topk import finish_tile_shapes, warm_topk_slots
+    assert warm_topk_slots(16, 300, 3, 16, "cpu") == len(finish_tile_shapes(16, 300, 3)) >= 1

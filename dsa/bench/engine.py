@@ -1,9 +1,10 @@
 """``dsa bench engine``: the Engine's decode throughput on the demo model (4 V3.2-shaped layers).
 
 For B requests at context S, the caches are filled with random bytes of the right formats (no real
-prefill) and the requests are placed as if their prompts had just been prefilled; then decode steps
-are timed one by one, each ending with its sampled ids on the host. ``step_us`` is the wall time of
-``engine.step()`` (plan, upload, graph replay, sampling, bookkeeping), ``replay_us`` the device time
+prefill) and the requests are placed as if their prompts had just been prefilled; then STEPS
+consecutive decode steps are timed together (steady state: the host schedules and packs step N+1
+while the GPU runs step N). ``step_us`` is their wall time per step (plan, upload, graph replay,
+sampling, bookkeeping; p10/p90 of the gaps between step returns), ``replay_us`` the device time
 of the step's CUDA graph alone (replayed with the L2 flushed), ``host_share`` =
 ``(step_us - replay_us) / step_us``. DSA runs the demo model; dense runs the same weights without
 the indexer (the dense absorbed decode over the whole context).
@@ -133,16 +134,18 @@ def run(device, timer, ceilings, args) -> list:
         per = {}
         for name, model in models.items():
             engine = decoding_engine(model, b, s, g)
-            walls = []
-            for i in range(WARMUP + STEPS):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = engine.step()  # ends with the sampled ids on the host
-                walls.append((time.perf_counter() - t0) * 1e6)
-                assert len(out) == b
-            assert engine.stats.graph_steps == WARMUP + STEPS
-            walls = sorted(walls[WARMUP:])
-            step_us = walls[len(walls) // 2]
+            for i in range(WARMUP):
+                engine.step()
+            walls, produced = [], 0  # steady state: the host schedules step N+1 while the GPU runs step N
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(STEPS):
+                produced += len(engine.step())
+                walls.append(time.perf_counter())
+            torch.cuda.synchronize()
+            walls = sorted(1e6 * (t1 - t) for t, t1 in zip([t0] + walls[:-1], walls))
+            step_us = 1e6 * (time.perf_counter() - t0) / STEPS
+            assert engine.stats.graph_steps == WARMUP + STEPS and produced == b * STEPS
             graph = engine.runner.graphs[(batch_bucket(b), context_bucket(s + WARMUP + STEPS, model.config.block_size))]
             replay = timer(graph.graph.replay)
             extra = {}

@@ -73,31 +73,28 @@ def run(args) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    # one bar per phase, so each shows its own rate (a step with a prefill chunk counts as prefill)
+    # one bar per phase, so each shows its own rate. Prefill: each step timed (synchronized), while a
+    # prompt chunk remains; decode: the rest timed as a whole, the host running ahead of the GPU
     prefill_bar = tqdm(total=args.batch * context, unit="tok", desc="prefill", disable=quiet)
-    decode_bar = None
     prefill_s = decode_s = 0.0
-    decode_tokens = 0
-    while engine.has_work():
-        tokens, chunks = engine.stats.tokens, engine.stats.prefill_chunks
+    produced_in_prefill = 0
+    while engine.waiting or any(r.prefilling for r in engine.running.values()):
+        tokens = engine.stats.tokens
         sync()
         t = time.perf_counter()
-        produced = engine.step()
+        produced_in_prefill += sum(len(v) for v in engine.step().values())
         sync()
-        dt = time.perf_counter() - t
-        if engine.stats.prefill_chunks > chunks:
-            prefill_s += dt
-            prefill_bar.update(engine.stats.tokens - tokens)
-        else:
-            if decode_bar is None:
-                prefill_bar.close()
-                decode_bar = tqdm(total=args.batch * (args.new_tokens - 1), unit="tok", desc="decode", disable=quiet)
-            decode_s += dt
-            decode_tokens += sum(len(v) for v in produced.values())
-            decode_bar.update(sum(len(v) for v in produced.values()))
+        prefill_s += time.perf_counter() - t
+        prefill_bar.update(engine.stats.tokens - tokens)
     prefill_bar.close()
-    if decode_bar is not None:
-        decode_bar.close()
+    decode_tokens = args.batch * args.new_tokens - produced_in_prefill
+    decode_bar = tqdm(total=decode_tokens, unit="tok", desc="decode", disable=quiet)
+    t = time.perf_counter()
+    while engine.has_work():
+        decode_bar.update(sum(len(v) for v in engine.step().values()))
+    sync()
+    decode_s = time.perf_counter() - t
+    decode_bar.close()
     prefill_tokens = args.batch * context
     dsa_bytes = bytes_per_token(cfg, model.dtype)
     dense_bytes = bytes_per_token(cfg.replace(index_topk=None), model.dtype)

@@ -50,6 +50,12 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     llm = llm_from_args(args, "serve")
+    if llm.warmup_report is not None:
+        r = llm.warmup_report
+        logging.getLogger("dsa.serve").info(
+            "warm-up done in %.1f s: %d prefill shapes, %d CUDA graphs (%.0f MiB), %d kernel variants built; "
+            "Triton's cache: %s", r["seconds"], r["prefill_steps"], r["graphs_captured"], r["graph_pool_bytes"] / 2**20,
+            r["kernel_variants"], os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache"))
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
                                       else f"dsa-{args.preset}" if args.preset else "dsa-default")
     app = build_app(llm, EngineLoop(llm.engine), name, args.api_key, args.max_queued, args.request_timeout)

@@ -35,13 +35,22 @@ from dsa.engine.blocks import PrefixStats
 from dsa.engine.output import Delta, TextOutput
 from dsa.engine.runner import ModelRunner
 from dsa.engine.sampling import Sampler, SamplingParams
-from dsa.engine.scheduler import Request, Scheduler
+from dsa.engine.scheduler import PENDING, Request, Scheduler
 from dsa.kernels import compiles
 from dsa.kernels.common import check_int
 from dsa.model.plan import PATHS
 
 
 log = logging.getLogger("dsa.engine")
+
+
+@dataclass
+class _InFlight:
+    """A launched step: its sampled tokens on their way, which rows sampled for which request (and
+    where the token goes), and ``(tokens on the device, {request id: row})`` for the next step."""
+    sample: object  # PendingSample
+    sampled: list  # (row, Request, index in request.tokens)
+    previous: tuple
 
 
 @dataclass
@@ -64,11 +73,16 @@ class EngineStats:
 class Engine:
     """Batches requests over one pool of paged caches (``num_blocks`` blocks, or as many as
     ``memory_bytes`` holds), ``max_batch_tokens`` rows per step (long prompts are prefilled in
-    chunks), at most ``max_num_seqs`` requests running at once. ``cuda_graphs``: replay decode-only steps from CUDA graphs (None: whenever the model
-    allows, i.e. on CUDA without MoE layers; False: always eager). ``prefix_caching``: reuse the
-    cached blocks of a prompt's prefix (both caches of every layer) and keep finished requests'
-    blocks cached until the pool needs them. ``tokenizer``: makes deltas carry text and enables
-    stop strings; its EOS joins the config's ``eos_token_id``.
+    chunks), at most ``max_num_seqs`` requests running at once. ``cuda_graphs``: replay
+    decode-only steps from CUDA graphs (None: whenever the model allows, i.e. on CUDA without MoE
+    layers; False: always eager). ``prefix_caching``: reuse the cached blocks of a prompt's prefix
+    (both caches of every layer) and keep finished requests' blocks cached until the pool needs
+    them. ``tokenizer``: makes deltas carry text and enables stop strings; its EOS joins the
+    config's ``eos_token_id``. ``overlap``: schedule and launch step N+1 before reading step N's
+    tokens back, so the host's work hides behind the GPU's (a decode row's input token is read on
+    the device from the step before; a request that stops at step N has a row in step N+1 whose
+    token is dropped); False: each step finishes before the next is scheduled. Tokens are the
+    same either way.
 
     Requests: :meth:`add_request` (token ids + :class:`~dsa.engine.sampling.SamplingParams`, or the
     ``max_new_tokens`` shorthand: greedy), :meth:`abort`, :meth:`step`; :meth:`stream` and
@@ -77,7 +91,7 @@ class Engine:
 
     def __init__(self, model, num_blocks: int | None = None, memory_bytes: int | None = None,
                  max_batch_tokens: int = 8192, max_num_seqs: int = 256, cuda_graphs: bool | None = None,
-                 prefix_caching: bool = True, tokenizer=None):
+                 prefix_caching: bool = True, tokenizer=None, overlap: bool = True):
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("num_blocks / memory_bytes: give exactly one of them")
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, minimum=1)
@@ -95,6 +109,8 @@ class Engine:
         self.sampler = Sampler(c.vocab_size, model.device)
         self.tokenizer = tokenizer
         self.lock = threading.RLock()
+        self.overlap = bool(overlap)
+        self._inflight = collections.deque()  # _InFlight steps launched, not finished on the host
         self._ids = itertools.count()
         self._requests: dict = {}  # rid -> Request, waiting or running
         self._seed_base = self._shared_seed()  # unseeded requests' noise keys derive from it
@@ -163,7 +179,7 @@ class Engine:
         return self.num_blocks * self.config.block_size
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._inflight)
 
     def warmup(self, progress: bool = True) -> dict:
         """Compile every kernel and capture every CUDA graph this engine can launch, before any
@@ -252,55 +268,83 @@ class Engine:
                 return False
             self.scheduler.remove(req)
             self._deliver(req, [], None, "abort")
+            while self._inflight and not self._requests:  # nobody waits for the steps in flight
+                self._finish_step(self._inflight.popleft())
             return True
 
     def step(self) -> dict:
-        """Run one batch; returns ``{request id: [tokens produced this step]}``."""
+        """Run one batch; returns ``{request id: [tokens]}`` of the step that finished (with
+        ``overlap``, the one launched by the call before: the GPU runs this call's step meanwhile)."""
         return self._step()[1]
 
     def _step(self) -> tuple:
-        """``(whether anything was scheduled, {request id: [tokens]})``."""
+        """``(whether anything was launched or finished, {request id: [tokens]})``."""
         with self.lock:
-            out = self.scheduler.schedule()
-            s = self._stats
-            s.preemptions += len(out.preempted)
-            if not out:
-                return False, {}
-            result = self.runner.run(out)
-            reqs = out.requests
-            tokens, logprobs = self.sampler(result.logits, [r.sampling for r in reqs], [r.seed for r in reqs],
-                                            [len(r.tokens) for r in reqs])
+            launched = self._launch()
             produced = {}
-            s.prefill_chunks += sum(1 for r in reqs if r.prefilling)
-            for req, n, tok, lp in zip(reqs, out.num_rows, tokens, logprobs):
-                self.scheduler.advance(req, n)
-                if req.computed < len(req.tokens):
-                    continue  # a prefill chunk that did not reach the last token
-                req.tokens.append(tok)
-                produced[req.rid] = [tok]
-                self._advance(req, tok, lp)
-            for path, rows in result.rows.items():
-                s.rows[path] += rows
-            s.peak_workspace_bytes = max(s.peak_workspace_bytes, result.workspace_bytes)
-            s.steps += 1
-            s.graph_steps += result.graph
-            s.tokens += out.num_tokens
-            s.generated_tokens += len(produced)
-            return True, produced
+            while len(self._inflight) > (1 if self.overlap and launched else 0):
+                produced.update(self._finish_step(self._inflight.popleft()))
+            return launched or bool(produced), produced
 
-    def _advance(self, req: Request, tok: int, logprob) -> None:
-        """A request's new token: decide whether it finished, then tell its reader."""
+    def _launch(self) -> bool:
+        """Schedule a step and put it on the GPU, its sampled tokens on their way to the host; the
+        requests that sample hold a PENDING token until :meth:`_finish_step`."""
+        out = self.scheduler.schedule()
+        s = self._stats
+        s.preemptions += len(out.preempted)
+        if not out:
+            return False
+        previous = self._inflight[-1].previous if self._inflight else None
+        result = self.runner.run(out, previous)
+        reqs = out.requests
+        sample = self.sampler.launch(result.logits, [r.sampling for r in reqs], [r.seed for r in reqs],
+                                     [len(r.tokens) for r in reqs])
+        s.prefill_chunks += sum(1 for r in reqs if r.prefilling)
+        sampled = []  # (row, request, the index of its pending token)
+        for i, (req, n) in enumerate(zip(reqs, out.num_rows)):
+            self.scheduler.advance(req, n)
+            if req.computed == len(req.tokens):  # the chunk reached its last token: a token is sampled
+                sampled.append((i, req, len(req.tokens)))
+                req.tokens.append(PENDING)
+        for path, rows in result.rows.items():
+            s.rows[path] += rows
+        s.peak_workspace_bytes = max(s.peak_workspace_bytes, result.workspace_bytes)
+        s.steps += 1
+        s.graph_steps += result.graph
+        s.tokens += out.num_tokens
+        self._inflight.append(_InFlight(sample, sampled, (sample.tokens, {r.rid: i for i, r, _ in sampled})))
+        return True
+
+    def _finish_step(self, step: "_InFlight") -> dict:
+        """The host side of a launched step: its tokens in place of the PENDING ones, stop checks,
+        prefix-cache names, deltas to the readers."""
+        tokens, logprobs = step.sample.result()
+        produced = {}
+        for i, req, index in step.sampled:
+            if self._requests.get(req.rid) is not req:
+                continue  # finished or aborted meanwhile: this row's token is dropped
+            tok = tokens[i]
+            req.tokens[index] = tok
+            self.scheduler.name_blocks(req)
+            produced[req.rid] = [tok]
+            self._advance(req, tok, logprobs[i], index - req.prompt_len + 1)
+        self._stats.generated_tokens += len(produced)
+        return produced
+
+    def _advance(self, req: Request, tok: int, logprob, generated: int) -> None:
+        """A request's ``generated``-th token: decide whether it finished, then tell its reader."""
         sp = req.sampling
         reason = None
         if tok in sp.stop_token_ids or (tok in self.eos and not sp.ignore_eos):
             reason = "stop"  # the stop token's text is not part of the output
         elif req.text is not None and req.text.append(tok):
             reason = "stop"  # a stop string: the text ends before it
-        elif len(req.generated) >= req.max_new_tokens:
+        elif generated >= req.max_new_tokens:
             reason = "length"
         if reason is not None:
-            self.scheduler.finish(req)
+            self.scheduler.remove(req)  # running, or waiting after a preemption
             del self._requests[req.rid]
+            del req.tokens[req.prompt_len + generated:]  # a token of a later step in flight, if any
             if req.text is not None:
                 req.text.finish()
         self._deliver(req, [tok], None if logprob is None else [logprob], reason)

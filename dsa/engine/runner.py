@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dsa.engine.scheduler import PENDING
 from dsa.kernels.common import cdiv
+from dsa.kernels.topk import warm_topk_slots
 from dsa.model.layers import MoE
 from dsa.model.plan import BatchPlan, HostPlan
 
@@ -105,9 +107,11 @@ class ModelRunner:
         self.plan_options = model.plan_options()  # the same every step
         self.tables = BlockTables(cdiv(model.config.max_position_embeddings, model.config.block_size))
 
-    def run(self, out) -> StepResult:
+    def run(self, out, previous=None) -> StepResult:
         """Run a :class:`~dsa.engine.scheduler.SchedulerOutput`: request ``i`` computes the rows of
-        ``tokens[computed : computed + num_rows[i]]``."""
+        ``tokens[computed : computed + num_rows[i]]``. A decode row whose input token is still
+        :data:`~dsa.engine.scheduler.PENDING` (sampled by the step in flight) reads it on the device
+        from ``previous = (tokens [B'] int64, {request id: row})``, that step's sampled ids."""
         for rid in out.finished:
             self.tables.release(rid)
         reqs, q = out.requests, out.num_rows
@@ -119,20 +123,32 @@ class ModelRunner:
         else:
             ids = np.concatenate([np.asarray(r.tokens[r.computed:r.computed + n], dtype=np.int32)
                                   for r, n in zip(reqs, q)])
-        opts = self.plan_options
-        p = self.model.config.block_size
+        src = None
+        if (ids == PENDING).any():
+            first = np.cumsum(q) - q
+            src = np.full(len(ids), -1)
+            for i in np.flatnonzero(ids[first] == PENDING):  # only a decode row's input can be pending
+                src[first[i]] = previous[1][reqs[i].rid]
+        opts, p = self.plan_options, self.model.config.block_size
         if self.use_graphs and decode_only and batch_bucket(len(q)) is not None:
             bucket, ctx = batch_bucket(len(q)), context_bucket(max(c) + 1, p)
             host = HostPlan.pack(q, c, self.tables.table[rows, :ctx // p], p, self.model.device, input_ids=ids,
-                                 num_rows=bucket, max_seq_len=ctx, num_block_columns=ctx // p, **opts)
+                                 input_src=src, num_rows=bucket, max_seq_len=ctx, num_block_columns=ctx // p, **opts)
             g = self.graphs.get((bucket, ctx)) or self._capture(host, bucket, ctx)
             if host.spec != g.spec:
                 raise AssertionError("a graph bucket's plan layout changed")
             host.upload(g.buf)
+            if src is not None:
+                _read_pending(host, g.buf, previous[0])
             g.graph.replay()
             return StepResult(g.logits[:len(q)], host.rows, 0, True)
         width = max(self.tables.width[rows].max(initial=1), 1)
-        plan = BatchPlan.build(q, c, self.tables.table[rows, :width], p, self.model.device, input_ids=ids, **opts)
+        host = HostPlan.pack(q, c, self.tables.table[rows, :width], p, self.model.device, input_ids=ids,
+                             input_src=src, **opts)
+        buf = host.upload()
+        if src is not None:
+            _read_pending(host, buf, previous[0])
+        plan = host.derive(buf)
         logits = self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
         return StepResult(logits, plan.rows, plan.workspace_bytes, False)
 
@@ -166,7 +182,8 @@ class ModelRunner:
     def warmup(self, max_batch_tokens: int, max_context: int, max_decode_rows: int, progress: bool = True) -> dict:
         """Launch once every kind of step this runner can be asked for, so that no kernel compiles
         and no CUDA graph is captured on a later step: prefill chunks of each size class up to
-        ``max_batch_tokens`` rows (dense and sparse rows, no prefix and a long one), and decode steps
+        ``max_batch_tokens`` rows (dense and sparse rows, no prefix and a long one), the top-k's
+        finish tiles (:func:`~dsa.kernels.topk.warm_topk_slots`), and decode steps
         at every batch and context bucket up to ``max_decode_rows`` x ``max_context`` (with graphs:
         captured here, padding rows only). Every row writes into scratch blocks or nowhere: call it
         before any request holds blocks. Returns what it did (steps, graphs, seconds, bytes)."""
@@ -184,7 +201,7 @@ class ModelRunner:
         decode = [(b, ctx) for ctx in self.context_buckets(max_context) for b in rows]
         sync = torch.cuda.synchronize if self.model.device.type == "cuda" else (lambda: None)
         sync()
-        t0, before = time.perf_counter(), _reserved(self.model.device)
+        t0 = time.perf_counter()
         bar = tqdm(total=len(prefill) + len(decode), desc="warm-up", unit="step", disable=not progress)
         for t, ctx in prefill:
             table = (np.arange(cdiv(ctx + t, p)) % num_blocks)[None].astype(np.int32)
@@ -192,7 +209,11 @@ class ModelRunner:
             plan = BatchPlan.build([t], [ctx], table, p, self.model.device, input_ids=ids, **self.plan_options)
             self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
             bar.update()
-        graphs = 0
+        if c.index_topk is not None:  # the top-k's finish tiles: a constexpr chosen by width and rows
+            warm_topk_slots(c.index_topk, max_context, max_batch_tokens, p, self.model.device)
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()  # the graphs' memory is what the pool holds after them
+        graphs, before = 0, _reserved(self.model.device)
         for b, ctx in decode:
             if self.use_graphs:
                 if (b, ctx) not in self.graphs:
@@ -215,6 +236,13 @@ class ModelRunner:
         return HostPlan.pack([], [], np.zeros((0, ctx // p), np.int32), p, self.model.device,
                              input_ids=np.zeros(0, np.int32), num_rows=rows, max_seq_len=ctx,
                              num_block_columns=ctx // p, **self.plan_options)
+
+
+def _read_pending(host: HostPlan, buf: torch.Tensor, previous: torch.Tensor) -> None:
+    """Copy the ids of the rows whose ``src >= 0`` from the previous step's sampled tokens (device
+    ops only: the host never waits for them)."""
+    ids, src = host.view(buf, "ids"), host.view(buf, "src").long()
+    ids.copy_(torch.where(src >= 0, previous[src.clamp_min(0)].to(ids.dtype), ids))
 
 
 def _reserved(device: torch.device) -> int:

@@ -175,7 +175,8 @@ class Logprob:
 
 class Sampler:
     """Samples a step's rows: packs the per-row parameters on the host, uploads them once, runs
-    :func:`sample_tokens` and brings tokens (and logprobs, when asked for) back in one copy.
+    :func:`sample_tokens`; the tokens (and logprobs, when asked for) come back in one non-blocking
+    copy (:meth:`launch` returns at once, :meth:`PendingSample.result` waits for the copy).
     A batch of greedy rows is one argmax; sorting happens only when a row uses top_k or top_p."""
 
     def __init__(self, vocab_size: int, device):
@@ -183,8 +184,13 @@ class Sampler:
         self.vocab_hash = hash32(torch.arange(vocab_size, dtype=torch.int64, device=self.device))
 
     def __call__(self, logits: torch.Tensor, params: list, seeds: list, positions: list) -> tuple:
-        """``logits [B, V]`` fp32; ``params`` B SamplingParams; ``seeds``, ``positions``: B ints.
-        Returns ``(tokens: list[int], logprobs: list[Logprob | None])``."""
+        """:meth:`launch`, then wait: ``(tokens: list[int], logprobs: list[Logprob | None])``."""
+        return self.launch(logits, params, seeds, positions).result()
+
+    def launch(self, logits: torch.Tensor, params: list, seeds: list, positions: list) -> "PendingSample":
+        """``logits [B, V]`` fp32; ``params`` B SamplingParams; ``seeds``, ``positions``: B ints (the
+        position of the token sampled). The tokens stay on the device (``.tokens [B]`` int64, for the
+        next step's inputs) and start their copy to the host."""
         v = logits.shape[1]
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)
@@ -197,15 +203,39 @@ class Sampler:
                                    dev[:, 5:7].long(), self.vocab_hash, dev[:, 4].bool(),
                                    sort=any(p.top_k or p.top_p < 1 for p in sampled))
         n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        if n is None:
-            return tokens.tolist(), [None] * len(params)  # the step's one device-to-host copy
-        lp = torch.log_softmax(logits, dim=-1)
-        top = lp.topk(n, dim=-1)
-        packed = torch.cat([tokens[:, None].double(), lp.gather(1, tokens[:, None]).double(),
-                            top.values.double(), top.indices.double()], dim=1).tolist()
-        out = []
-        for p, row in zip(params, packed):
+        packed = tokens[:, None].double()
+        if n is not None:
+            lp = torch.log_softmax(logits, dim=-1)
+            top = lp.topk(n, dim=-1)
+            packed = torch.cat([packed, lp.gather(1, tokens[:, None]).double(), top.values.double(),
+                                top.indices.double()], dim=1)
+        return PendingSample(tokens, packed, params, n)
+
+
+class PendingSample:
+    """A step's sampled tokens on their way to the host: ``tokens`` on the device now, the host
+    lists from :meth:`result` (which waits for the copy alone, not for later work on the GPU)."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, params: list, n: int | None):
+        self.tokens, self.params, self.n = tokens, params, n
+        if packed.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = packed, None
+
+    def result(self) -> tuple:
+        """``(tokens: list[int], logprobs: list[Logprob | None])``."""
+        if self._event is not None:
+            self._event.synchronize()
+        rows = self._host.tolist()
+        if self.n is None:
+            return [int(r[0]) for r in rows], [None] * len(rows)
+        n, out = self.n, []
+        for p, row in zip(self.params, rows):
             k = p.logprobs
             out.append(None if k is None else
                        Logprob(int(row[0]), row[1], [(int(i), x) for x, i in zip(row[2:2 + k], row[2 + n:2 + n + k])]))
-        return [int(r[0]) for r in packed], out
+        return [int(r[0]) for r in rows], out

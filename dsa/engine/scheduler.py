@@ -18,11 +18,13 @@ from dsa.engine.blocks import BlockManager, CacheFullError
 from dsa.engine.sampling import GREEDY, SamplingParams
 from dsa.kernels.common import cdiv
 
+PENDING = -1  # a token id not known yet: sampled by a step still on the GPU (overlapped scheduling)
+
 
 @dataclass(eq=False)
 class Request:
     rid: int
-    tokens: list  # prompt, then generated tokens
+    tokens: list  # prompt, then generated tokens (the last one PENDING while its step runs)
     prompt_len: int
     max_new_tokens: int
     blocks: list = field(default_factory=list)  # cache blocks, in position order
@@ -48,6 +50,11 @@ class Request:
     @property
     def prefilling(self) -> bool:
         return self.uncomputed > 1
+
+    @property
+    def done(self) -> bool:
+        """It has all the tokens it may generate (the last maybe still pending): no more rows."""
+        return len(self.tokens) - self.prompt_len >= self.max_new_tokens
 
 
 @dataclass
@@ -94,7 +101,7 @@ class Scheduler:
         self._left = []
         budget = self.max_batch_tokens
         for req in list(self.running.values()):  # decode rows, oldest first
-            if req.rid not in self.running or req.prefilling or budget == 0:
+            if req.rid not in self.running or req.prefilling or req.done or budget == 0:
                 continue
             if not self._grow(req, req.computed + 1, out):
                 continue  # it preempted itself
@@ -182,9 +189,14 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
 
     def advance(self, req: Request, rows: int) -> None:
-        """``rows`` more tokens of ``req`` are in the caches (its full blocks get prefix-cache names)."""
+        """``rows`` more tokens of ``req`` are in the caches once the launched step runs (their full
+        blocks are named later, by :meth:`name_blocks`, when every token in them is known)."""
         req.computed += rows
-        self.blocks.name_full_blocks(req)
+
+    def name_blocks(self, req: Request) -> None:
+        """Prefix-cache names for ``req``'s computed full blocks (its tokens up to ``computed`` known)."""
+        if req.rid in self.running:
+            self.blocks.name_full_blocks(req)
 
     def finish(self, req: Request) -> None:
         """Release a running request's blocks (cached ones stay cached) and forget it."""

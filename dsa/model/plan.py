@@ -155,7 +155,7 @@ class HostPlan:
     @classmethod
     def pack(cls, query_lens, context_lens, block_tables, block_size: int, device, *, index_topk: int | None = None,
              dispatch: Dispatch | None = None, mha_kv_bytes_per_token: int = 0, input_ids=None,
-             num_rows: int | None = None, max_seq_len: int | None = None,
+             input_src=None, num_rows: int | None = None, max_seq_len: int | None = None,
              num_block_columns: int | None = None) -> "HostPlan":
         """Route the rows and pack the step's facts; no device work.
 
@@ -166,6 +166,10 @@ class HostPlan:
             dispatch: speed choices between equivalent prefill implementations (None: absorbed).
             mha_kv_bytes_per_token: bytes of up-projected K/V per context token (the MHA workspace).
             input_ids: ``[T]`` token ids to upload with the plan (``plan.input_ids``), or None.
+            input_src: with ``input_ids``, ``[T]`` ints: for a row whose id is still being sampled
+                by the step before (overlapped scheduling), that step's row to read it from; -1:
+                the id is in ``input_ids`` (None: all -1). Packed as ``src`` (:meth:`view`); the
+                runner copies those ids on the device before the step runs.
             num_rows, max_seq_len, num_block_columns: a decode-only plan padded to ``num_rows``
                 requests (padding rows see nothing and write nowhere), with the paged-logits width
                 ``max_seq_len`` and block tables ``num_block_columns`` wide: a CUDA graph bucket.
@@ -194,6 +198,7 @@ class HostPlan:
             ids = np.asarray(ids).reshape(-1)
             if ids.shape[0] != int(q.sum()):
                 raise ValueError(f"input_ids: expected {int(q.sum())} ids (one per new token), got {ids.shape[0]}")
+            src = np.full(ids.shape[0], -1) if input_src is None else np.asarray(input_src).reshape(-1)
         if num_rows is not None:
             if (q != 1).any() or num_rows < real:
                 raise ValueError(f"num_rows: padding needs a decode-only step of <= {num_rows} requests")
@@ -201,7 +206,8 @@ class HostPlan:
             q, c = np.concatenate((q, np.ones(pad, np.int64))), np.concatenate((c, np.zeros(pad, np.int64)))
             seq = np.concatenate((seq, np.zeros(pad, np.int64)))  # padding rows: nothing visible
             tables = np.concatenate((tables, np.zeros((pad, tables.shape[1]), tables.dtype)))
-            ids = None if ids is None else np.concatenate((ids, np.zeros(pad, ids.dtype)))
+            if ids is not None:
+                ids, src = np.concatenate((ids, np.zeros(pad, ids.dtype))), np.concatenate((src, np.full(pad, -1)))
         b, t = len(q), int(q.sum())
         row_to_req = np.repeat(np.arange(b), q)
         first_row = np.cumsum(q) - q
@@ -232,7 +238,7 @@ class HostPlan:
                     zeros=pack.add(np.zeros(t)), seq_lens=pack.add(seq), table=pack.add(tables, tables.shape),
                     logits_rows=pack.add(first_row + q - 1))
         if ids is not None:
-            spec["ids"] = pack.add(ids)
+            spec["ids"], spec["src"] = pack.add(ids), pack.add(src)
         contiguous = decode_reqs == list(range(len(decode_reqs)))
         if decode_reqs and not contiguous:
             spec["decode_rows"] = pack.add(first_row[decode_reqs])
@@ -248,6 +254,10 @@ class HostPlan:
     def upload(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The packed facts on the device: one non-blocking copy (into ``out`` when given)."""
         return self.packer.upload(self.device, out)
+
+    def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """One packed entry (``ids``, ``src``, ``positions``, ...) of the uploaded buffer."""
+        return _view(buf, self.spec[name])
 
     def derive(self, buf: torch.Tensor) -> BatchPlan:
         """The device plan from the uploaded buffer: views, slots, per-path rows (no host sync)."""
