@@ -6,6 +6,8 @@
 #      one 32K prompt, a randomized run (200 requests, prompts 1-32768, max_tokens 1-256, concurrency 1-64),
 #      64 x 8K; then a second start (warm Triton cache) and its start-to-ready
 #   w: the serving workloads of issue #25 (64 x 8K, 16 x 32K, 16 questions on one 32K document, ITL at 32K)
+#   o: with launch_probe.py beside it (not part of the project): host and device time per call of the
+#      bench-layer DSA ops, base and new (after g, which installs the base)
 #   g: speed guards: bench layer and bench engine (--quick) of .base (the branch point, unpacked by the
 #      caller from `git archive f0020de`) and of this tree, in the same run
 # Wheels of the serve extra: .whl (see the device README); every part bounded by a timeout.
@@ -61,7 +63,9 @@ if [[ $PARTS == *w* ]]; then
   serve_up warm
   load 64x8k 120 --num-requests 64 --concurrency 64 --input-len 8000 --max-tokens 128
   load 16x32k 120 --num-requests 16 --concurrency 16 --input-len 32000 --max-tokens 128
+  curl -s http://127.0.0.1:8123/metrics | grep -E "^dsa_(prefix_cache|preempt)" | tee -a "$LOG"
   load shared 60 --shared-prefix 16 --num-requests 16 --concurrency 16 --input-len 32000 --max-tokens 32
+  curl -s http://127.0.0.1:8123/metrics | grep -E "^dsa_(prefix_cache|preempt|kernel)" | tee -a "$LOG"
   load itl 60 --num-requests 1 --concurrency 1 --input-len 32000 --max-tokens 256
   serve_down warm
 fi
@@ -76,5 +80,9 @@ if [[ $PARTS == *g* ]]; then
         | grep -E "^(B=|dsa |dense |layer|engine|wrote|Traceback|[A-Za-z]*Error)" | tail -12 | tee -a "$LOG"
     done
   done
+fi
+if [[ $PARTS == *o* && -f launch_probe.py ]]; then  # host time per launch of the DSA ops, base and new
+  PYTHONPATH=/tmp/base:/tmp/site timeout 60 python3 launch_probe.py base 2>&1 | tail -2 | tee -a "$LOG"
+  PYTHONPATH=/tmp/site timeout 60 python3 launch_probe.py new 2>&1 | tail -2 | tee -a "$LOG"
 fi
 exit 0
