@@ -72,6 +72,9 @@ def add_arguments(g) -> None:
     g.add_argument("--shared-prefix", type=int, metavar="N", help="groups of N questions on one document "
                    "of --input-len tokens, a group sent at once")
     g.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals (default: %(default)s)")
+    g.add_argument("--soak", action="store_true", help="a seeded mix (streamed, plain, chats, client drops, bad "
+                   "requests, stop strings, large max_tokens) in bursts up to twice --concurrency, then checks "
+                   "that nothing was lost, nothing leaked and memory stayed flat (dsa.bench.soak)")
     g.add_argument("--json", help="result file (default: <--out>/serve-<gpu or cpu>-<date>.json)")
     g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds the started server gets to "
                    "answer /health (default: %(default)s)")
@@ -383,13 +386,39 @@ def device_slug(args) -> str:
     return "cpu"
 
 
+def _soak_report(args, server: dict, rows: list, summary: dict, duration: float) -> int:
+    from dsa.bench.harness import env_info
+    env = env_info()
+    path = args.json or os.path.join(args.out, f"soak-{device_slug(args)}-{env['date']}.json")
+    given = {k: (None if v == float("inf") else v) for k, v in vars(args).items() if k != "func"}
+    doc = {"op": "serve-soak", "env": env, "args": given, "server": server, "duration_s": duration,
+           "summary": summary, "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    outcomes = {}
+    for kinds in summary["by_kind"].values():
+        for k, v in kinds.items():
+            outcomes[k] = outcomes.get(k, 0) + v
+    print(f"soak: {summary['requests']} requests in {duration:.1f} s: " + ", ".join(f"{k} {v}" for k, v in
+                                                                                  sorted(outcomes.items())))
+    print(f"lost {summary['lost']}; held after: {summary['leaked']}; memory growth since half-way: "
+          + ", ".join(f"{k} {v / 2**20:+.1f} MiB" for k, v in summary["memory_growth_bytes"].items())
+          + f" (bound {summary['memory_bound_bytes'] / 2**20:.0f} MiB); kernel compiles after ready: "
+          f"{server['kernel_compiles_after_ready']}")
+    print(f"wrote {path}")
+    return 0 if summary["ok"] else 1
+
+
 def run(args) -> int:
     import httpx
 
+    from dsa.bench import soak
     from dsa.bench.harness import env_info
     check_args(args)
     tok = load_tokenizer(args)
-    plan = build_plan(args, tok)
+    plan = soak.soak_plan(args, tok) if args.soak else build_plan(args, tok)
     started = None if args.url else StartedServer(args)
     url = (args.url or started.url).rstrip("/")
     try:
@@ -404,14 +433,20 @@ def run(args) -> int:
                                  f"(a key? --api-key): {r.text[:200]}")
             model = r.json()["data"][0]["id"]
             before = read_compiles(client, url)
-            rows, duration = asyncio.run(run_plan(url, args.api_key, model, plan, args))
+            if args.soak:
+                t0 = time.perf_counter()
+                rows, half = asyncio.run(soak.soak_run(url, args.api_key, model, plan, args))
+                duration = time.perf_counter() - t0
+                end = soak.settled_gauges(url, args.api_key)
+            else:
+                rows, duration = asyncio.run(run_plan(url, args.api_key, model, plan, args))
             after = read_compiles(client, url)
     except BaseException:
         if started is not None:
             started.stop()
             print(f"the server's log: {started.log.name}", file=sys.stderr)
         raise
-    failed = sum(r["error"] is not None for r in rows)
+    failed = sum(r["outcome"] == "lost" for r in rows) if args.soak else sum(r["error"] is not None for r in rows)
     if started is not None:
         started.stop(keep_log=failed > 0)
         if failed:
@@ -419,6 +454,8 @@ def run(args) -> int:
     server = {"url": url, "started": started is not None, "model": model,
               "ready_s": None if started is None else started.ready_s,
               "kernel_compiles_after_ready": None if before is None or after is None else after - before}
+    if args.soak:
+        return _soak_report(args, server, rows, soak.soak_summary(rows, half, end), duration)
     summary = summarize(rows, duration, args)
     if args.ignore_eos and summary["short_outputs"]:
         print(f"warning: --ignore-eos: {summary['short_outputs']} requests ended before max_tokens")

@@ -11,14 +11,26 @@ an idle loop logs nothing.
 import asyncio
 import collections
 import logging
+import os
 import queue
 import threading
 import time
+
+import torch
 
 from dsa.engine.output import Delta
 
 log = logging.getLogger("dsa.serve")
 RATE_WINDOW_S = 10.0
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory (Linux: /proc/self/statm), None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class Submission:
@@ -197,5 +209,6 @@ class EngineLoop:
                 "blocks_cached": e.stats.prefix.cached_blocks, "prefix": e.stats.prefix,
                 "preemptions": e.stats.preemptions, "kernel_compiles": e.stats.kernel_compiles,
                 "compiles_after_warmup": e.stats.compiles_after_warmup,
-                "rows": dict(e.stats.rows), "finished": dict(self.finished)}
+                "rows": dict(e.stats.rows), "finished": dict(self.finished), "rss_bytes": _resident_bytes(),
+                "gpu_bytes": torch.cuda.memory_allocated(e.model.device) if e.model.device.type == "cuda" else None}
 

@@ -531,6 +531,12 @@ def prometheus_text(m: dict) -> str:
            [("", m["preemptions"])])
     metric("kernel_compiles_total", "counter", "Triton/Gluon kernel variants built in this process.",
            [("", m["kernel_compiles"])])
+    if m["rss_bytes"] is not None:  # Prometheus' process collector's name
+        lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
+                  "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {m['rss_bytes']}"]
+    if m["gpu_bytes"] is not None:
+        metric("gpu_memory_allocated_bytes", "gauge", "GPU memory held by tensors (torch.cuda.memory_allocated).",
+               [("", m["gpu_bytes"])])
     if m["compiles_after_warmup"] is not None:
         metric("kernel_compiles_after_warmup_total", "counter", "Kernel variants built after the warm-up.",
                [("", m["compiles_after_warmup"])])
