@@ -158,6 +158,8 @@ class ModelRunner:
         model = self.model
         buf = torch.zeros(host.packer.size, dtype=torch.int32, device=model.device)
         host.upload(buf)
+        if "ids" in host.spec:  # an id still pending (PENDING = -1) is read in before each replay, not here
+            host.view(buf, "ids").clamp_(min=0)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compiles kernels, settles allocations
@@ -197,6 +199,8 @@ class ModelRunner:
         prefill = [(t, 0) for t in ladder(max_batch_tokens)]  # chunks from a fresh prompt: dense, then sparse rows
         prefill += [(t, ctx) for ctx in ladder(max(1, max_context - max_batch_tokens))[1:]  # behind a long prefix
                     for t in (1, max_batch_tokens) if ctx + t <= max_context]
+        if c.index_topk is not None:  # a few dense rows behind a prefix: the absorbed kernel's split variant
+            prefill += [(t, c.index_topk - t) for t in (2, 16) if t <= max_batch_tokens and c.index_topk > t]
         rows = [b for b in BATCH_BUCKETS if b <= max_decode_rows] or [1]
         decode = [(b, ctx) for ctx in self.context_buckets(max_context) for b in rows]
         sync = torch.cuda.synchronize if self.model.device.type == "cuda" else (lambda: None)
