@@ -5,6 +5,7 @@
 #   s: dsa serve --preset demo-gpu started cold (empty Triton cache), start-to-ready, then dsa bench serve:
 #      one 32K prompt, a randomized run (200 requests, prompts 1-32768, max_tokens 1-256, concurrency 1-64),
 #      64 x 8K; then a second start (warm Triton cache) and its start-to-ready
+#   r: a cold start and the randomized run alone (kernel compiles after ready)
 #   w: the serving workloads of issue #25 (64 x 8K, 16 x 32K, 16 questions on one 32K document, ITL at 32K)
 #   o: with launch_probe.py beside it (not part of the project): host and device time per call of the
 #      bench-layer DSA ops, base and new (after g, which installs the base)
@@ -46,7 +47,8 @@ if [[ $PARTS == *t* || $PARTS == *T* ]]; then
   say "GPU tests"
   FILES="tests/test_compiles_gpu.py tests/test_warmup_gpu.py tests/test_graphs_gpu.py tests/test_guards_gpu.py tests/test_model_gpu.py"
   [[ $PARTS == *T* ]] && FILES=""
-  timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider -x -s $FILES 2>&1 | grep -v "it/s\]" | tail -40 | tee -a "$LOG"
+  X="-x"; [[ $PARTS == *T* ]] && X=""
+  timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider $X -s $FILES 2>&1 | grep -v "it/s\]" | tail -40 | tee -a "$LOG"
 fi
 if [[ $PARTS == *s* ]]; then
   rm -rf ~/.triton/cache
@@ -59,6 +61,13 @@ if [[ $PARTS == *s* ]]; then
   serve_up warm
   serve_down warm
 fi
+if [[ $PARTS == *r* ]]; then
+  rm -rf ~/.triton/cache
+  serve_up cold
+  load random 200 --num-requests 200 --input-len-range 1 32768 --max-tokens-range 1 256 --concurrency-range 1 64
+  curl -s http://127.0.0.1:8123/metrics | grep -E "^dsa_(kernel|preempt)" | tee -a "$LOG"
+  serve_down cold
+fi
 if [[ $PARTS == *w* ]]; then
   serve_up warm
   load 64x8k 120 --num-requests 64 --concurrency 64 --input-len 8000 --max-tokens 128
@@ -69,20 +78,25 @@ if [[ $PARTS == *w* ]]; then
   load itl 60 --num-requests 1 --concurrency 1 --input-len 32000 --max-tokens 256
   serve_down warm
 fi
-if [[ $PARTS == *g* ]]; then
+if [[ $PARTS == *g* ]]; then  # the editable install would shadow PYTHONPATH: off while the base runs
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/base ./.base 2>&1 | grep -v WARN
-  for op in layer engine; do
-    for side in base new; do
-      mkdir -p "$OUT/$side"
+  python3 -m pip uninstall -y -q deepseek-sparse-attention 2>&1 | grep -v WARN
+  for side in base new; do
+    mkdir -p "$OUT/$side"
+    if [[ $side == new ]]; then  # from the checkout (cwd): the editable install
+      python3 -m pip install --no-build-isolation --no-deps -q -e . 2>&1 | grep -v WARNING; PP=/tmp/site; DIR=.
+    else PP=/tmp/base:/tmp/site; DIR=/tmp; fi  # from /tmp: the checkout's dsa/ would come first on sys.path
+    (cd $DIR && PYTHONPATH=$PP python3 -c "import dsa, dsa.kernels; print('$side runs', dsa.__file__, dsa.kernels.__file__)") | tee -a "$LOG"
+    for op in layer engine; do
       say "bench $op ($side)"
-      if [[ $side == base ]]; then PP=/tmp/base:/tmp/site; else PP=/tmp/site; fi
-      PYTHONPATH=$PP timeout 150 python3 -m dsa bench $op --quick --reps 20 --out "$OUT/$side" 2>&1 \
+      (cd $DIR && PYTHONPATH=$PP timeout 150 python3 -m dsa bench $op --quick --reps 20 --out "$OUT/$side" 2>&1) \
         | grep -E "^(B=|dsa |dense |layer|engine|wrote|Traceback|[A-Za-z]*Error)" | tail -12 | tee -a "$LOG"
     done
   done
 fi
 if [[ $PARTS == *o* && -f launch_probe.py ]]; then  # host time per launch of the DSA ops, base and new
-  PYTHONPATH=/tmp/base:/tmp/site timeout 60 python3 launch_probe.py base 2>&1 | tail -2 | tee -a "$LOG"
+  cp launch_probe.py /tmp/ && (cd /tmp && PYTHONPATH=/tmp/base:/tmp/site timeout 60 python3 launch_probe.py base 2>&1) \
+    | tail -2 | tee -a "$LOG"
   PYTHONPATH=/tmp/site timeout 60 python3 launch_probe.py new 2>&1 | tail -2 | tee -a "$LOG"
 fi
 exit 0
