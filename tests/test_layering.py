@@ -118,10 +118,12 @@ def test_mla_launchers_share_mla_split_not_each_other():
     hopper = _kernel_imports(ROOT / "kernels" / "sparse_mla_hopper.py")
     assert not {"sparse_mla", "dense_mla_decode"} & set(hopper), sorted(hopper)
     assert "mla_split" in hopper
-    assert not {"sparse_mla", "sparse_mla_hopper", "dense_mla_decode"} & set(_kernel_imports(ROOT / "kernels" / "mla_split.py"))
+    split = _kernel_imports(ROOT / "kernels" / "mla_split.py")
+    assert not {"sparse_mla", "sparse_mla_hopper", "dense_mla_decode"} & set(split), sorted(split)
     for name in ("sparse_mla.py", "dense_mla_decode.py"):
         used = _kernel_imports(ROOT / "kernels" / name).get("sparse_mla_hopper", set())
-        assert used and not {u for u in used if u.startswith("_")}, f"kernels/{name} uses {sorted(used)} of sparse_mla_hopper"
+        assert used and not {u for u in used if u.startswith("_")}, \
+            f"kernels/{name} uses {sorted(used)} of sparse_mla_hopper"
 
 
 PUBLIC = ["Completion", "DSAAttention", "DSAConfig", "DSAModel", "Delta", "Engine", "EngineStats", "LLM", "BatchPlan",
