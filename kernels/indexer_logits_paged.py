@@ -85,6 +85,63 @@ def _tile_logits(k, k_scale, q_t, w, BLOCK_S: tl.constexpr, G_PAD: tl.constexpr,
     return tl.sum(tl.reshape(score, [BLOCK_S, G_PAD, HI_PAD]), axis=2) * k_scale[:, None]
 
 
+@triton.jit
+def _program_rows(q_ptr, w_ptr, lens_ptr, width, num_table_blocks, N: tl.constexpr, HI: tl.constexpr,
+                  G: tl.constexpr, G_PAD: tl.constexpr, HI_PAD: tl.constexpr, P: tl.constexpr, D: tl.constexpr):
+    """Program ``(b * groups + g, split)`` of both paged kernels: query tokens ``[g*G, g*G + G)`` of
+    request b. Returns b, their queries ``q_t`` and weights ``w`` (``_group_queries``), which of the
+    ``G_PAD`` output rows exist, each row's last visible position and start in the logits, and the end
+    of the positions any of them sees inside the block table (past it: -inf)."""
+    GROUPS: tl.constexpr = (N + G - 1) // G
+    pid = tl.program_id(0)
+    b = (pid // GROUPS).to(tl.int64)
+    g = pid % GROUPS
+    seq_len = tl.load(lens_ptr + b)
+    q_t, w = _group_queries(q_ptr, w_ptr, b, g, N, HI, G, G_PAD, HI_PAD, D)
+    # outputs: token jg of the group sees positions [0, seq_len - N + g*G + jg]
+    jg = tl.arange(0, G_PAD)
+    row_ok = (jg < G) & (g * G + jg < N)
+    last = seq_len - N + g * G + jg  # [G_PAD]
+    out_row = (b * N + g * G + jg) * width  # [G_PAD] int64
+    group_end = tl.minimum(seq_len - N + tl.minimum(g * G + G, N), num_table_blocks * P)  # past it: -inf
+    return b, q_t, w, row_ok, last, out_row, group_end
+
+
+@triton.jit
+def _store_logits(out_ptr, out_row, row_ok, last, pos, s_end, key_ok, logit):
+    """Store a tile's ``logit [BLOCK_S, G_PAD]`` at positions ``pos``: -inf where the key is not ``key_ok``
+    or past a row's last visible position; nothing past ``s_end`` or for rows that do not exist."""
+    logit = tl.where(key_ok[:, None] & (pos[:, None] <= last[None, :]), logit, float("-inf"))
+    tl.store(out_ptr + out_row[None, :] + pos[:, None], logit, mask=row_ok[None, :] & (pos < s_end)[:, None])
+
+
+@triton.jit
+def _store_minus_inf(out_ptr, out_row, row_ok, s_begin, s_end, first_tile, tiles_per_prog, BLOCK_S: tl.constexpr,
+                     G_PAD: tl.constexpr):
+    """-inf on the program's tiles ``[first_tile, tiles_per_prog)`` (past every row's visible positions)."""
+    minus_inf = tl.full([BLOCK_S, G_PAD], float("-inf"), tl.float32)
+    for tile in range(first_tile, tiles_per_prog):
+        pos = s_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)
+        tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=row_ok[None, :] & (pos < s_end)[:, None])
+
+
+@triton.jit
+def _block_ids(table_row, pos, end, P: tl.constexpr):
+    """int64 block ids of positions ``pos``; -1 from ``end`` on (never read)."""
+    return tl.load(table_row + pos // P, mask=pos < end, other=-1).to(tl.int64)
+
+
+@triton.jit
+def _scales_ahead(table_row, scale_base, block_next, pos_next, end, stride_block, num_blocks, P: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    """The pointer kernel's prefetch step: the key scales of positions ``pos_next`` (block ids
+    ``block_next``; 0 for an id outside ``[0, num_blocks)``), then the next tile's positions and block ids."""
+    k_scale = tl.load(scale_base + block_next * (stride_block // 4) + pos_next % P,
+                      mask=(block_next >= 0) & (block_next < num_blocks), other=0.0)
+    pos_next += BLOCK_S
+    return k_scale, pos_next, _block_ids(table_row, pos_next, end, P)
+
+
 @triton.jit(do_not_specialize=["stride_table", "num_table_blocks", "num_blocks", "width", "tiles_per_prog"],
             do_not_specialize_on_alignment=["w_ptr", "table_ptr", "lens_ptr"])
 def _indexer_logits_paged_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr, stride_block,
@@ -96,19 +153,9 @@ def _indexer_logits_paged_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, le
     # Each key record is read once per group (once per request when G == N). stride_block: bytes
     # per cache block (a multiple of 4); the fp32 view of the cache indexes it in words. A position whose
     # block id is outside [0, num_blocks) reads nothing and is -inf. Any P (a multiple of 16).
-    GROUPS: tl.constexpr = (N + G - 1) // G
-    pid = tl.program_id(0)
-    b = (pid // GROUPS).to(tl.int64)
-    g = pid % GROUPS
-    seq_len = tl.load(lens_ptr + b)
-    q_t, w = _group_queries(q_ptr, w_ptr, b, g, N, HI, G, G_PAD, HI_PAD, D)
+    b, q_t, w, row_ok, last, out_row, group_end = _program_rows(q_ptr, w_ptr, lens_ptr, width, num_table_blocks,
+                                                                N, HI, G, G_PAD, HI_PAD, P, D)
     d = tl.arange(0, D)
-    # outputs: token jg of the group sees positions [0, seq_len - N + g*G + jg]
-    jg = tl.arange(0, G_PAD)
-    row_ok = (jg < G) & (g * G + jg < N)
-    last = seq_len - N + g * G + jg  # [G_PAD]
-    out_row = (b * N + g * G + jg) * width  # [G_PAD] int64
-    group_end = tl.minimum(seq_len - N + tl.minimum(g * G + G, N), num_table_blocks * P)  # past it: -inf
     s_begin = tl.program_id(1) * tiles_per_prog * BLOCK_S
     s_end = tl.minimum(s_begin + tiles_per_prog * BLOCK_S, width)
     compute_end = tl.maximum(tl.minimum(group_end, s_end), s_begin)
@@ -118,29 +165,21 @@ def _indexer_logits_paged_kernel(q_ptr, w_ptr, val_ptr, scale_ptr, table_ptr, le
     # Key scales are prefetched one tile ahead and their block ids two ahead: Triton pipelines only
     # the loads that feed the dot, and a plain load in the loop would expose the HBM latency.
     pos_next = s_begin + tl.arange(0, BLOCK_S)
-    block_next = tl.load(table_row + pos_next // P, mask=pos_next < compute_end, other=-1).to(tl.int64)
-    k_scale_next = tl.load(scale_base + block_next * (stride_block // 4) + pos_next % P,
-                           mask=(block_next >= 0) & (block_next < num_blocks), other=0.0)
-    pos_next += BLOCK_S
-    block_next = tl.load(table_row + pos_next // P, mask=pos_next < compute_end, other=-1).to(tl.int64)
+    block_next = _block_ids(table_row, pos_next, compute_end, P)
+    k_scale_next, pos_next, block_next = _scales_ahead(table_row, scale_base, block_next, pos_next, compute_end,
+                                                       stride_block, num_blocks, P, BLOCK_S)
     for tile in range(0, compute_tiles):
         pos = s_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S]
-        block = tl.load(table_row + pos // P, mask=pos < compute_end, other=-1).to(tl.int64)
+        block = _block_ids(table_row, pos, compute_end, P)
         key_ok = (block >= 0) & (block < num_blocks)  # also False past compute_end
         k = tl.load(val_ptr + (block * stride_block + (pos % P) * D)[:, None] + d[None, :], mask=key_ok[:, None],
                     other=0.0, eviction_policy="evict_first")  # [BLOCK_S, D] e4m3, read once
         k_scale = k_scale_next  # [BLOCK_S] fp32
-        k_scale_next = tl.load(scale_base + block_next * (stride_block // 4) + pos_next % P,
-                               mask=(block_next >= 0) & (block_next < num_blocks), other=0.0)
-        pos_next += BLOCK_S
-        block_next = tl.load(table_row + pos_next // P, mask=pos_next < compute_end, other=-1).to(tl.int64)
+        k_scale_next, pos_next, block_next = _scales_ahead(table_row, scale_base, block_next, pos_next, compute_end,
+                                                           stride_block, num_blocks, P, BLOCK_S)
         logit = _tile_logits(k, k_scale, q_t, w, BLOCK_S, G_PAD, HI_PAD)  # [BLOCK_S, G_PAD]
-        logit = tl.where(key_ok[:, None] & (pos[:, None] <= last[None, :]), logit, float("-inf"))
-        tl.store(out_ptr + out_row[None, :] + pos[:, None], logit, mask=row_ok[None, :] & (pos < s_end)[:, None])
-    minus_inf = tl.full([BLOCK_S, G_PAD], float("-inf"), tl.float32)
-    for tile in range(compute_tiles, tiles_per_prog):
-        pos = s_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)
-        tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=row_ok[None, :] & (pos < s_end)[:, None])
+        _store_logits(out_ptr, out_row, row_ok, last, pos, s_end, key_ok, logit)
+    _store_minus_inf(out_ptr, out_row, row_ok, s_begin, s_end, compute_tiles, tiles_per_prog, BLOCK_S, G_PAD)
 
 
 @triton.jit(do_not_specialize=["stride_table", "num_table_blocks", "num_blocks", "width", "tiles_per_prog"],
@@ -153,17 +192,8 @@ def _indexer_logits_paged_tma_kernel(q_ptr, w_ptr, val_desc, scale_desc, table_p
     # views [NB, P, D] e4m3 (val_desc) and [NB, P] fp32 (scale_desc): a block id outside [0, NB)
     # reads zeros (TMA's out-of-bounds fill) and its positions are -inf. The block id of the next
     # tile is loaded one iteration ahead, so Triton's pipeliner keeps STAGES - 1 tiles in flight.
-    GROUPS: tl.constexpr = (N + G - 1) // G
-    pid = tl.program_id(0)
-    b = (pid // GROUPS).to(tl.int64)
-    g = pid % GROUPS
-    seq_len = tl.load(lens_ptr + b)
-    q_t, w = _group_queries(q_ptr, w_ptr, b, g, N, HI, G, G_PAD, HI_PAD, D)
-    jg = tl.arange(0, G_PAD)
-    row_ok = (jg < G) & (g * G + jg < N)
-    last = seq_len - N + g * G + jg  # [G_PAD]
-    out_row = (b * N + g * G + jg) * width  # [G_PAD] int64
-    group_end = tl.minimum(seq_len - N + tl.minimum(g * G + G, N), num_table_blocks * P)  # past it: -inf
+    b, q_t, w, row_ok, last, out_row, group_end = _program_rows(q_ptr, w_ptr, lens_ptr, width, num_table_blocks,
+                                                                N, HI, G, G_PAD, HI_PAD, P, D)
     page0 = tl.program_id(1) * tiles_per_prog
     s_begin = page0 * P
     s_end = tl.minimum(s_begin + tiles_per_prog * P, width)
@@ -179,12 +209,8 @@ def _indexer_logits_paged_tma_kernel(q_ptr, w_ptr, val_desc, scale_desc, table_p
         k_scale = tl.reshape(scale_desc.load([block, 0]), [P])  # [P] fp32
         logit = _tile_logits(k, k_scale, q_t, w, P, G_PAD, HI_PAD)  # [P, G_PAD]
         key_ok = (block >= 0) & (block < num_blocks) & (pos < compute_end)
-        logit = tl.where(key_ok[:, None] & (pos[:, None] <= last[None, :]), logit, float("-inf"))
-        tl.store(out_ptr + out_row[None, :] + pos[:, None], logit, mask=row_ok[None, :] & (pos < s_end)[:, None])
-    minus_inf = tl.full([P, G_PAD], float("-inf"), tl.float32)
-    for tile in range(compute_tiles, tiles_per_prog):
-        pos = s_begin + tile * P + tl.arange(0, P)
-        tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=row_ok[None, :] & (pos < s_end)[:, None])
+        _store_logits(out_ptr, out_row, row_ok, last, pos, s_end, key_ok, logit)
+    _store_minus_inf(out_ptr, out_row, row_ok, s_begin, s_end, compute_tiles, tiles_per_prog, P, G_PAD)
 
 
 def _paged_config(n: int, hi: int) -> tuple[int, int, int, int, int]:

@@ -12,10 +12,10 @@ import triton
 import triton.language as tl
 
 from . import sparse_mla_hopper as hopper
-from .common import (FLOAT_DTYPES, check_real, check_same_device, check_tensor, compute_dtype, resolve_backend,
-                     sm_count)
+from .common import FLOAT_DTYPES, check_real, check_same_device, check_tensor, compute_dtype, resolve_backend
 from .layouts import (KV_LORA_RANK, LATENT_DIM, LATENT_FP8_ROPE_OFFSET, LATENT_FP8_SCALE_OFFSET, LATENT_FP8_TILE,
                       latent_cache_format, latent_fp8_views)
+from .mla_split import split_launch
 
 
 def gather_latent_rows(latent_cache, slots, dtype):
@@ -54,7 +54,6 @@ def sparse_mla_reference(q, latent_cache, slots, softmax_scale):
     return out, lse
 
 
-LOG2E = 1.4426950408889634
 _SCALE_OFF = tl.constexpr(LATENT_FP8_SCALE_OFFSET)  # byte offsets inside a 656-byte FP8 row
 _ROPE_OFF = tl.constexpr(LATENT_FP8_ROPE_OFFSET)
 
@@ -190,32 +189,6 @@ def _mla_attn_kernel(
         tl.store(lse_ptr + row, lse2 * 0.6931471805599453, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["TOTAL_ROWS", "NUM_SPLITS"])
-def _mla_combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, TOTAL_ROWS, NUM_SPLITS,
-                        BLOCK_S: tl.constexpr):
-    """Merge the splits of one query row by their log2-domain LSE: out bf16 [512], lse natural log."""
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    lse_s = tl.load(part_lse_ptr + s.to(tl.int64) * TOTAL_ROWS + row, mask=s < NUM_SPLITS,
-                    other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse_s, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse_s - m_use)  # 0 for empty splits
-    w_sum = tl.sum(w, 0)
-    d = tl.arange(0, 512)
-    acc = tl.zeros([512], tl.float32)
-    for i in range(0, NUM_SPLITS):
-        w_i = tl.exp2(tl.load(part_lse_ptr + i * TOTAL_ROWS + row) - m_use)
-        o_i = tl.load(part_out_ptr + (i * TOTAL_ROWS + row) * 512 + d)
-        acc += o_i * w_i
-    empty = w_sum == 0.0
-    tl.store(out_ptr + row * 512 + d, (acc / tl.where(empty, 1.0, w_sum)).to(tl.bfloat16))
-    tl.store(lse_ptr + row, tl.where(empty, float("-inf"), (m_use + tl.log2(tl.where(empty, 1.0, w_sum))) * 0.6931471805599453))
-
-
-MAX_SPLITS = 64  # programs one query row's keys are split over (the combine kernel reads them at once)
-
-
 def _tiles(device: torch.device, rows: int) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages): 64 query rows per program on the GPU (wgmma needs
     M = 64), two warpgroups splitting the 512-wide fp32 accumulator (128 registers a thread); 64 keys a
@@ -234,52 +207,24 @@ def mla_attention_triton(q_rows, latent_cache, rows, groups, *, slots=None, bloc
 
     Sparse (``slots [groups, K]``): group = token, rows = H. Dense (``block_table``/``seq_lens``):
     group = request, rows = N * H, ``length`` = an upper bound of the context (no host sync).
-    Small grids split the key rows over programs (``SPLIT_LEN`` each) and merge them by LSE.
+    Small grids split the key rows over programs (``SPLIT_LEN`` each) and merge them by LSE (``mla_split``).
     Returns ``(out [groups * rows, 512] bf16, lse [groups * rows] fp32)``.
     """
-    device = q_rows.device
-    fp8 = latent_cache_format(latent_cache) == "fp8"
-    total = groups * rows
-    out = torch.empty((total, KV_LORA_RANK), dtype=torch.bfloat16, device=device)
-    lse = torch.empty((total,), dtype=torch.float32, device=device)
-    if total == 0:
-        return out, lse
-    block_h, bn, warps, stages = _tiles(device, rows)
+    block_h, bn, warps, stages = _tiles(q_rows.device, rows)
     bn = block_n or bn
-    stages = num_stages or stages
-    programs = groups * triton.cdiv(rows, block_h)
-    max_splits = max(1, triton.cdiv(length, 2 * bn))  # at least 2 tiles of keys per split
-    splits = max(1, min(max_splits, MAX_SPLITS, sm_count(device) // programs))
-    split_len = max(bn, triton.cdiv(triton.cdiv(length, splits), bn) * bn)
-    splits = max(1, triton.cdiv(length, split_len))
-    dense = slots is None
-    if splits > 1:
-        part_out = torch.empty((splits, total, KV_LORA_RANK), dtype=torch.float32, device=device)
-        part_lse = torch.empty((splits, total), dtype=torch.float32, device=device)
-    else:
-        part_out, part_lse = out, lse  # unused
-    stride_cb, stride_cp = latent_cache.stride(0), latent_cache.stride(1)
-    if dense:
-        slots_arg, stride_slots, k = block_table, 0, 0
-        bt_arg, sl_arg, stride_bt, mb = block_table, seq_lens, block_table.stride(0), block_table.shape[1]
-    else:
-        slots_arg, stride_slots, k = slots, slots.stride(0), slots.shape[1]
-        bt_arg, sl_arg, stride_bt, mb = slots, slots, 0, 0
-        h = rows
-    # one variant per (DENSE, FP8, SPLIT, tiles): the ints that specialize are H (the model's heads), the
-    # cache strides and P (fixed by the cache layout; its strides are multiples of 16, for the vectorized
-    # row gathers); rows, N, K, MB, NB, the slot count, the total rows, the split length and the slots' and
-    # table's strides are runtime values, and the int tables (plan views at any offset) are not
-    # specialized on their alignment. The combine kernel takes its two ints at run time.
-    _mla_attn_kernel[(groups, triton.cdiv(rows, block_h), splits)](
-        q_rows, latent_cache, slots_arg, bt_arg, sl_arg, out, lse, part_out, part_lse,
-        float(softmax_scale) * LOG2E, rows, h, n, k, mb, latent_cache.shape[0],
-        latent_cache.shape[0] * latent_cache.shape[1], total, split_len,
-        stride_slots, stride_bt, stride_cb, stride_cp, latent_cache.shape[1],
-        DENSE=dense, FP8=fp8, SPLIT=splits > 1, BLOCK_H=block_h, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-    if splits > 1:
-        _mla_combine_kernel[(total,)](part_out, part_lse, out, lse, total, splits, BLOCK_S=MAX_SPLITS, num_warps=4)
-    return out, lse
+    launch = split_launch(q_rows, latent_cache, rows, groups, row_blocks=triton.cdiv(rows, block_h), block_n=bn,
+                          granule=1, split_in_keys=True, slots=slots, block_table=block_table, seq_lens=seq_lens,
+                          n=n, h=h, length=length, softmax_scale=softmax_scale)
+    if launch.grid is not None:
+        # one variant per (DENSE, FP8, SPLIT, tiles): the ints that specialize are H (the model's heads), the
+        # cache strides and P (fixed by the cache layout; its strides are multiples of 16, for the vectorized
+        # row gathers); rows, N, K, MB, NB, the slot count, the total rows, the split length and the slots'
+        # and table's strides are runtime values, and the int tables (plan views at any offset) are not
+        # specialized on their alignment
+        grid = launch.grid
+        _mla_attn_kernel[grid](*launch.args, **launch.flags, BLOCK_H=block_h, BLOCK_N=bn, num_warps=warps,
+                               num_stages=num_stages or stages)
+    return launch.finish()
 
 
 def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, slots: torch.Tensor, softmax_scale: float, *,

@@ -25,8 +25,8 @@ this kernel has not run on (:data:`TESTED_TRITON`; it also compiles on 3.9).
 import torch
 import triton
 
-from .common import sm_count
 from .layouts import LATENT_FP8_ROPE_OFFSET, LATENT_FP8_SCALE_OFFSET
+from .mla_split import split_launch
 
 try:  # Gluon's API moves between Triton releases; without it this path is simply not offered
     from triton.experimental import gluon
@@ -476,47 +476,19 @@ def mla_attention_hopper(q_rows, latent_cache, rows, groups, *, slots=None, bloc
                          h=None, length, softmax_scale, splits=None):
     """Run the Hopper kernel over ``groups x rows`` query rows ``q_rows [groups * rows, 576]`` bf16
     (``rows`` a multiple of 64); arguments as ``mla_attention_triton``'s. Grids smaller than the GPU
-    split the key tiles over programs and merge them by LSE (the portable kernel's merge); ``splits``
-    overrides that choice (for measurements).
+    split the key tiles over programs, in pairs, and merge them by LSE (``mla_split``, as the portable
+    kernel); ``splits`` overrides that choice (for measurements).
     Returns ``(out [groups * rows, 512] bf16, lse [groups * rows] fp32)``."""
-    from .sparse_mla import MAX_SPLITS, _mla_combine_kernel
-    device = q_rows.device
     if q_rows.data_ptr() % 16 != 0:  # rows are copied 16 bytes at a time
         q_rows = q_rows.clone()
-    total = groups * rows
-    out = torch.empty((total, 512), dtype=torch.bfloat16, device=device)
-    lse = torch.empty((total,), dtype=torch.float32, device=device)
-    if total == 0:
-        return out, lse
-    programs = groups * (rows // BLOCK_H)
-    tiles = triton.cdiv(length, BLOCK_N)
-    if splits is None:  # at least one pair of tiles a split
-        splits = max(1, min(sm_count(device) // programs, triton.cdiv(tiles, 2), MAX_SPLITS))
-    split_tiles = max(2, 2 * triton.cdiv(triton.cdiv(tiles, splits), 2))
-    splits = max(1, triton.cdiv(tiles, split_tiles))
-    if splits > 1:
-        part_out = torch.empty((splits, total, 512), dtype=torch.float32, device=device)
-        part_lse = torch.empty((splits, total), dtype=torch.float32, device=device)
-    else:
-        part_out, part_lse = out, lse  # unused
-    dense = slots is None
-    nb, block_size = latent_cache.shape[0], latent_cache.shape[1]
-    if dense:
-        slots_arg, stride_slots, k = block_table, 0, 0
-        bt_arg, sl_arg, stride_bt, mb = block_table, seq_lens, block_table.stride(0), block_table.shape[1]
-    else:
-        slots_arg, stride_slots, k = slots, slots.stride(0), slots.shape[1]
-        bt_arg, sl_arg, stride_bt, mb = slots, slots, 0, 0
-        h = rows
-    # one variant per (DENSE, FP8, SPLIT): no int argument specializes (the kernel's do_not_specialize),
-    # q_rows is copied above when it is not 16-byte aligned and the int tables are not specialized on
-    # their alignment
-    _mla_hopper_kernel[(groups, rows // BLOCK_H, splits)](
-        q_rows, latent_cache, slots_arg, bt_arg, sl_arg, out, lse, part_out, part_lse,
-        float(softmax_scale) * 1.4426950408889634, rows, h, n, k, mb, nb, nb * block_size, total,
-        split_tiles, stride_slots, stride_bt, latent_cache.stride(0), latent_cache.stride(1), block_size,
-        DENSE=dense, FP8=latent_cache.dtype == torch.uint8, SPLIT=splits > 1,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS)
-    if splits > 1:
-        _mla_combine_kernel[(total,)](part_out, part_lse, out, lse, total, splits, BLOCK_S=MAX_SPLITS, num_warps=4)
-    return out, lse
+    launch = split_launch(q_rows, latent_cache, rows, groups, row_blocks=rows // BLOCK_H, block_n=BLOCK_N, granule=2,
+                          split_in_keys=False, slots=slots, block_table=block_table, seq_lens=seq_lens, n=n, h=h,
+                          length=length, softmax_scale=softmax_scale, splits=splits)
+    if launch.grid is not None:
+        # one variant per (DENSE, FP8, SPLIT): no int argument specializes (the kernel's do_not_specialize),
+        # q_rows is copied above when it is not 16-byte aligned and the int tables are not specialized on
+        # their alignment
+        grid = launch.grid
+        _mla_hopper_kernel[grid](*launch.args, **launch.flags, CONSUMER_REGS=CONSUMER_REGS,
+                                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS)
+    return launch.finish()

@@ -39,10 +39,10 @@ ENTRY_KERNELS = {
         fixed={"folded", "hadamard_scale"}, tables=set()),
     ("latent_write", "_latent_write_kernel"): dict(
         fixed={"stride_kv", "stride_pe", "stride_cb", "stride_cp", "block_size"}, tables={"slot_ptr"}),
+    ("mla_split", "_mla_combine_kernel"): dict(fixed=set(), tables=set()),
     ("sparse_mla", "_mla_attn_kernel"): dict(
         fixed={"scale_log2", "H", "stride_cb", "stride_cp", "block_size"},
         tables={"slots_ptr", "block_table_ptr", "seq_lens_ptr"}),
-    ("sparse_mla", "_mla_combine_kernel"): dict(fixed=set(), tables=set()),
     ("sparse_mla_hopper", "_mla_hopper_kernel"): dict(
         fixed={"scale_log2"}, tables={"slots_ptr", "block_table_ptr", "seq_lens_ptr"}),
     ("topk", "_scan_kernel"): dict(

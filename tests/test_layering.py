@@ -73,6 +73,59 @@ def test_loading_imports_no_other_model_module():
     assert not bad, f"dsa/model/loading.py imports {sorted(bad)}"
 
 
+def _kernel_imports(path: pathlib.Path) -> dict:
+    """``{kernels module: names}`` a kernels module imports from its siblings (anywhere in it), the names
+    it reaches through ``from . import m as alias`` (``alias.name``) included."""
+    tree = ast.parse(path.read_text())
+    found, aliases = {}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            found.setdefault(node.module, set()).update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("dsa.kernels."):
+            found.setdefault(node.module.split(".")[2], set()).update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 1:  # from . import m [as alias]
+            for a in node.names:
+                found.setdefault(a.name, set())
+                aliases[a.asname or a.name] = a.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            found[aliases[node.value.id]].add(node.attr)
+    return found
+
+
+def test_kernel_modules_import_no_loop():
+    """The kernels modules import each other without a cycle (function-level imports included)."""
+    graph = {p.stem: set(_kernel_imports(p)) for p in (ROOT / "kernels").glob("*.py")}
+    state = {}
+
+    def visit(m, path):
+        if state.get(m) == "done" or m not in graph:
+            return
+        assert state.get(m) != "open", f"import loop: {' -> '.join(path + [m])}"
+        state[m] = "open"
+        for dep in sorted(graph[m]):
+            visit(dep, path + [m])
+        state[m] = "done"
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_mla_launchers_share_mla_split_not_each_other():
+    """The split heuristic, the partial buffers and the combine kernel live in ``kernels/mla_split.py``:
+    the Hopper launcher never imports the portable one, and the modules that route to the Hopper kernel
+    (``sparse_mla``, ``dense_mla_decode``) use only its public names."""
+    hopper = _kernel_imports(ROOT / "kernels" / "sparse_mla_hopper.py")
+    assert not {"sparse_mla", "dense_mla_decode"} & set(hopper), sorted(hopper)
+    assert "mla_split" in hopper
+    split = _kernel_imports(ROOT / "kernels" / "mla_split.py")
+    assert not {"sparse_mla", "sparse_mla_hopper", "dense_mla_decode"} & set(split), sorted(split)
+    for name in ("sparse_mla.py", "dense_mla_decode.py"):
+        used = _kernel_imports(ROOT / "kernels" / name).get("sparse_mla_hopper", set())
+        assert used and not {u for u in used if u.startswith("_")}, \
+            f"kernels/{name} uses {sorted(used)} of sparse_mla_hopper"
+
+
 PUBLIC = ["Completion", "DSAAttention", "DSAConfig", "DSAModel", "Delta", "Engine", "EngineStats", "LLM", "BatchPlan",
           "LightningIndexer", "SamplingParams", "absorb_kv_b", "bytes_per_token", "layer_runs_indexer", "softmax_scale"]
 

@@ -63,3 +63,22 @@ def test_public_ops_refuse_hopper_where_it_cannot_run():
                            torch.ones(2, dtype=torch.int32), 0.1, backend="hopper")
     with pytest.raises(ValueError, match="^backend"):
         K.sparse_mla(q, cache, torch.zeros(2, 16, dtype=torch.int32), 0.1, backend="gluon")
+
+
+@pytest.mark.parametrize("sm,programs,tiles,portable,pair", [
+    (132, 128, 32, (1, 32), (1, 32)),  # a full grid: no split
+    (132, 44, 7, (3, 3), (2, 4)),  # the rules differ: whole tiles vs whole pairs of tiles
+    (132, 1, 2048, (64, 32), (64, 32)),  # at most MAX_SPLITS
+    (132, 2, 1, (1, 1), (1, 2)),
+    (132, 1, 0, (1, 1), (1, 2)),  # no keys
+    (132, 3, 129, (43, 3), (33, 4)),
+    (8, 1, 5, (3, 2), (3, 2)),  # at most half the tiles
+])
+def test_split_rules(monkeypatch, sm, programs, tiles, portable, pair):
+    """``(splits, tiles a split)`` of the portable kernel (granule 1) and the Hopper kernel (granule 2),
+    the numbers each launcher chose before the rule moved to ``mla_split``."""
+    from dsa.kernels import mla_split
+    monkeypatch.setattr(mla_split, "sm_count", lambda device: sm)
+    assert mla_split.choose_splits(CUDA, programs, tiles, 1) == portable
+    assert mla_split.choose_splits(CUDA, programs, tiles, 2) == pair
+    assert mla_split.choose_splits(CUDA, 1, 7, 2, splits=3) == (2, 4)  # mla_attention_hopper(splits=3)
