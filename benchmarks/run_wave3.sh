@@ -6,6 +6,10 @@
 #      one 32K prompt, a randomized run (200 requests, prompts 1-32768, max_tokens 1-256, concurrency 1-64),
 #      64 x 8K; then a second start (warm Triton cache) and its start-to-ready
 #   r: a cold start and the randomized run alone (kernel compiles after ready)
+#   m: tests/test_model_gpu.py alone
+#   k: a soak (dsa bench serve --soak: 2000 requests of the mix, concurrency 64) against a cold server
+#   x: SIGTERM under load: 64 streams of 4000 tokens, SIGTERM after 15 s (--shutdown-timeout 5): the
+#      exit code and seconds, and how every stream ended
 #   w: the serving workloads of issue #25 (64 x 8K, 16 x 32K, 16 questions on one 32K document, ITL at 32K)
 #   o: with launch_probe.py beside it (not part of the project): host and device time per call of the
 #      bench-layer DSA ops, base and new (after g, which installs the base)
@@ -21,9 +25,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site
 python3 -m pip install --no-build-isolation --no-deps -q -e . 2>&1 | grep -v WARNING
 say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
-serve_up() {  # name: start dsa serve on port 8123, wait for /health, log the seconds
+serve_up() {  # name [dsa serve flags]: start dsa serve on port 8123, wait for /health, log the seconds
   local t0=$(date +%s%N)
-  python3 -m dsa serve --preset demo-gpu --port 8123 > "/tmp/$1.log" 2>&1 &
+  python3 -m dsa serve --preset demo-gpu --port 8123 "${@:2}" > "/tmp/$1.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 400); do
     curl -sf http://127.0.0.1:8123/health > /dev/null && break
@@ -67,6 +71,32 @@ if [[ $PARTS == *r* ]]; then
   load random 200 --num-requests 200 --input-len-range 1 32768 --max-tokens-range 1 256 --concurrency-range 1 64
   curl -s http://127.0.0.1:8123/metrics | grep -E "^dsa_(kernel|preempt)" | tee -a "$LOG"
   serve_down cold
+fi
+if [[ $PARTS == *m* ]]; then
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_model_gpu.py 2>&1 | tail -3 | tee -a "$LOG"
+fi
+if [[ $PARTS == *k* ]]; then
+  serve_up soak
+  say "soak"
+  timeout 330 python3 -m dsa bench serve --url http://127.0.0.1:8123 --soak --num-requests 2000 --concurrency 64 \
+    --input-len-range 16 4096 --max-tokens-range 1 128 --json "$OUT/soak.json" 2>&1 | grep -v "req/s\]" | tail -4 \
+    | tee -a "$LOG"
+  serve_down soak
+fi
+if [[ $PARTS == *x* ]]; then
+  serve_up sigterm --shutdown-timeout 5
+  python3 -m dsa bench serve --url http://127.0.0.1:8123 --num-requests 64 --concurrency 64 --input-len 2000 \
+    --max-tokens 4000 --ignore-eos --json "$OUT/sigterm.json" > /tmp/sigterm-bench.log 2>&1 &
+  BENCH=$!
+  sleep 15
+  t0=$(date +%s%N); kill -TERM $SERVER; wait $SERVER; rc=$?
+  say "SIGTERM under load: exit code $rc after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+  wait $BENCH
+  grep -E "requests|error" /tmp/sigterm-bench.log | head -5 | tee -a "$LOG"
+  python3 -c "import json, collections; d = json.load(open('$OUT/sigterm.json')); print('finish reasons', \
+collections.Counter(r['finish_reason'] for r in d['rows']), 'errors', sum(r['error'] is not None for r in d['rows']))" \
+    | tee -a "$LOG"
+  grep -cE "finish=abort \(shutdown\)" /tmp/sigterm.log | sed 's/^/log lines finish=abort (shutdown): /' | tee -a "$LOG"
 fi
 if [[ $PARTS == *w* ]]; then
   serve_up warm
