@@ -50,17 +50,21 @@ def test_replay_is_bitwise_the_eager_step_at_the_same_padded_shapes(model):
             req.tokens.append(tok)
 
 
+def _run_without_sync(engine, batch):
+    """The runner's step with every host sync an error."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return engine.runner.run(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
 def test_no_host_sync_inside_a_decode_step(model, graphs):
     engine = _decoding(model, cuda_graphs=graphs)
     engine.step()  # captures (graph) or compiles (eager) outside the checked step
-    batch = engine.scheduler.schedule()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        result = engine.runner.run(batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    result = _run_without_sync(engine, engine.scheduler.schedule())
     assert result.graph == graphs and torch.isfinite(result.logits).all()
 
 
@@ -74,12 +78,7 @@ def test_no_host_sync_inside_a_prefill_or_mixed_step(model, kind):
     engine.step()  # compiles outside the checked step
     batch = engine.scheduler.schedule()
     assert any(n > 1 for n in batch.num_rows) and (kind == "prefill") == all(n > 1 for n in batch.num_rows)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        result = engine.runner.run(batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    result = _run_without_sync(engine, batch)
     assert not result.graph and torch.isfinite(result.logits).all()
 
 
