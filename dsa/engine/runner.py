@@ -3,10 +3,11 @@
 Prefill and mixed steps run eagerly. A decode-only step (every request one new token) is padded to
 a batch-size bucket (1, 2, 4, ..., 128; padding rows see nothing and write nowhere) and a context
 bucket (the paged-logits width and block-table width), and replays the graph captured for that
-bucket the first time it was used: the host packs the step's ints, copies them into the graph's
-buffer in one transfer and replays; the logits of the real rows come back. Replay gives bitwise
-the logits of the eager path run at the same padded shapes. Models with MoE layers run eagerly
-(their expert dispatch reads routing decisions on the host).
+bucket by :meth:`ModelRunner.warmup` (or, without a warm-up, the first time it is used): the host
+packs the step's ints, copies them into the graph's buffer in one transfer, reads the input ids
+still being sampled by the step before on the device, and replays; the logits of the real rows
+come back. Replay gives bitwise the logits of the eager path run at the same padded shapes.
+Models with MoE layers run eagerly (their expert dispatch reads routing decisions on the host).
 """
 import time
 from dataclasses import dataclass
