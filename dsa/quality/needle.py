@@ -199,7 +199,7 @@ def table_text(result: dict) -> str:
 
 def plot(result: dict, out_dir: str) -> str:
     """One row per task: accuracy by needle depth (all lengths) and by context length (all depths),
-    one line per rule, 95 % Wilson intervals as error bars."""
+    one line per rule (nudged sideways so they stay apart), 95 % Wilson intervals as error bars."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -218,7 +218,9 @@ def plot(result: dict, out_dir: str) -> str:
                 acc = [r["rules"][rule]["accuracy"] for r in pts]
                 err = [[y - r["rules"][rule]["low"] for y, r in zip(acc, pts)],
                        [r["rules"][rule]["high"] - y for y, r in zip(acc, pts)]]
-                ax.errorbar(xs, acc, yerr=err, marker="o", ms=4, capsize=3, label=LABELS[rule], alpha=0.85)
+                shift = j - (len(a["rules"]) - 1) / 2  # rules side by side, not on top of each other
+                at = [x + shift if key == "depth" else x * 2 ** (0.03 * shift) for x in xs]
+                ax.errorbar(at, acc, yerr=err, marker="o", ms=4, capsize=3, label=LABELS[rule], alpha=0.85)
             n = sum(r["n"] for r in pts)
             ax.set(xlabel=xlabel, ylabel="accuracy (share retrieved)", ylim=(-0.03, 1.03),
                    title=f"{task}: accuracy by {key} ({n} samples, k = context/{a['k_fraction']})")
