@@ -3,7 +3,7 @@ import argparse
 import sys
 
 from dsa import __version__
-from dsa.commands import bench, demo, fit_indexer, generate, recall, serve
+from dsa.commands import bench, demo, fit_indexer, generate, needle, recall, serve
 
 DESCRIPTION = "DeepSeek Sparse Attention inference: dsa <command> (or python -m dsa <command>)."
 
@@ -12,7 +12,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dsa", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"dsa {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (demo, generate, serve, recall, bench, fit_indexer):
+    for command in (demo, generate, serve, recall, needle, bench, fit_indexer):
         command.add_parser(sub)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for result files

@@ -13,7 +13,7 @@ every query at 8K sees more than 2048 positions).
 """
 import torch
 
-from dsa.quality.selection import indexer_logits, oracle, reuse_source, select
+from dsa.quality.selection import indexer_logits, oracle, reuse_source, select, sink_recent
 from dsa.quality.teacher import attention_probs
 
 
@@ -26,6 +26,15 @@ def oracle_rule(k: int, chunk: int):
     def rule(i, x, q, kk):
         rows = torch.arange(q.shape[0], device=q.device)
         return oracle(attention_probs(q, kk, rows, chunk=chunk), rows, k)
+    return rule
+
+
+def sink_recent_rule(k: int):
+    """Tokens 0-3 and the last ``k - 4`` positions of each row (its whole past when that fits in ``k``)."""
+    def rule(i, x, q, kk):
+        rows = torch.arange(q.shape[0], device=q.device)
+        sel = sink_recent(rows, k)
+        return sel.masked_fill(sel > rows[:, None], -1)  # sink positions past an early row
     return rule
 
 

