@@ -78,7 +78,7 @@ fi
 if [[ $PARTS == *k* ]]; then
   serve_up soak
   say "soak"
-  timeout 330 python3 -m dsa bench serve --url http://127.0.0.1:8123 --soak --num-requests 2000 --concurrency 64 \
+  timeout 330 python3 -m dsa bench serve --url http://127.0.0.1:8123 --soak --num-requests ${SOAK:-2000} --concurrency 64 \
     --input-len-range 16 4096 --max-tokens-range 1 128 --json "$OUT/soak.json" 2>&1 | grep -v "req/s\]" | tail -4 \
     | tee -a "$LOG"
   serve_down soak

@@ -42,6 +42,9 @@ WORDS = ("time year people way day man thing woman life child world school state
          "director position player record paper space ground form event official matter center couple site project "
          "activity star table need court oil situation cost industry figure street image phone data picture").split()
 COMPILES = "dsa_kernel_compiles_total"
+# An idle connection is dropped by the client before uvicorn's 5 s keep-alive timeout closes it: a
+# request sent on a connection the server is closing fails with a ReadError (one did, in a soak).
+KEEPALIVE_S = 2.0
 
 
 def add_arguments(g) -> None:
@@ -297,7 +300,7 @@ async def run_plan(url: str, api_key, model: str, plan: list, args) -> tuple:
     from tqdm import tqdm
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S)
     rows = [None] * len(plan)
     rng = random.Random(args.seed + 1)
     async with httpx.AsyncClient(headers=headers, timeout=args.request_timeout, limits=limits) as client:

@@ -120,13 +120,15 @@ async def soak_run(url: str, api_key, model: str, plan: list, args) -> tuple:
     import httpx
     from tqdm import tqdm
 
+    from dsa.bench.serve import KEEPALIVE_S
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rows, half = [None] * len(plan), None
     bursts = {}
     for i, item in enumerate(plan):
         bursts.setdefault(item["burst"], []).append(i)
-    async with httpx.AsyncClient(headers=headers, timeout=args.request_timeout,
-                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S)
+    async with httpx.AsyncClient(headers=headers, timeout=args.request_timeout, limits=limits) as client:
         bar = tqdm(total=len(plan), desc="dsa bench serve --soak", unit="req")
 
         async def one(i):
