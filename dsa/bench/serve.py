@@ -410,6 +410,9 @@ def _soak_report(args, server: dict, rows: list, summary: dict, duration: float)
           + ", ".join(f"{k} {v / 2**20:+.1f} MiB" for k, v in summary["memory_growth_bytes"].items())
           + f" (bound {summary['memory_bound_bytes'] / 2**20:.0f} MiB); kernel compiles after ready: "
           f"{server['kernel_compiles_after_ready']}")
+    trace = [m.get("process_resident_memory_bytes") for m in summary["memory_trace"]]
+    if all(v is not None for v in trace):
+        print("resident memory at each quarter and the end: " + ", ".join(f"{v / 2**20:.0f}" for v in trace) + " MiB")
     print(f"wrote {path}")
     return 0 if summary["ok"] else 1
 
@@ -438,7 +441,7 @@ def run(args) -> int:
             before = read_compiles(client, url)
             if args.soak:
                 t0 = time.perf_counter()
-                rows, half = asyncio.run(soak.soak_run(url, args.api_key, model, plan, args))
+                rows, marks = asyncio.run(soak.soak_run(url, args.api_key, model, plan, args))
                 duration = time.perf_counter() - t0
                 end = soak.settled_gauges(url, args.api_key)
             else:
@@ -458,7 +461,7 @@ def run(args) -> int:
               "ready_s": None if started is None else started.ready_s,
               "kernel_compiles_after_ready": None if before is None or after is None else after - before}
     if args.soak:
-        return _soak_report(args, server, rows, soak.soak_summary(rows, half, end), duration)
+        return _soak_report(args, server, rows, soak.soak_summary(rows, marks, end), duration)
     summary = summarize(rows, duration, args)
     if args.ignore_eos and summary["short_outputs"]:
         print(f"warning: --ignore-eos: {summary['short_outputs']} requests ended before max_tokens")

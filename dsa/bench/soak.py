@@ -116,14 +116,15 @@ async def soak_one(client, url: str, model: str, item: dict) -> dict:
 
 
 async def soak_run(url: str, api_key, model: str, plan: list, args) -> tuple:
-    """Send the plan burst by burst; returns (rows, memory gauges half-way)."""
+    """Send the plan burst by burst; returns (rows, the gauges at each quarter of the plan: the
+    half-way ones are the memory baseline)."""
     import httpx
     from tqdm import tqdm
 
     from dsa.bench.serve import KEEPALIVE_S
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    rows, half = [None] * len(plan), None
+    rows, marks = [None] * len(plan), []
     bursts = {}
     for i, item in enumerate(plan):
         bursts.setdefault(item["burst"], []).append(i)
@@ -136,10 +137,10 @@ async def soak_run(url: str, api_key, model: str, plan: list, args) -> tuple:
             bar.update(1)
         for ids in bursts.values():
             await asyncio.gather(*(one(i) for i in ids))
-            if half is None and ids[-1] >= len(plan) // 2:
-                half = await asyncio.to_thread(settled_gauges, url, api_key)
+            if len(marks) < 3 and ids[-1] >= (len(marks) + 1) * len(plan) // 4:
+                marks.append(await asyncio.to_thread(settled_gauges, url, api_key))
         bar.close()
-    return rows, half
+    return rows, marks
 
 
 def settled_gauges(url: str, api_key, timeout: float = 60.0) -> dict:
@@ -156,7 +157,10 @@ def settled_gauges(url: str, api_key, timeout: float = 60.0) -> dict:
             time.sleep(0.1)
 
 
-def soak_summary(rows: list, half: dict, end: dict) -> dict:
+def soak_summary(rows: list, marks: list, end: dict) -> dict:
+    """Counts by kind and outcome, what is held after, and memory: growth from the half-way point
+    to the end against :data:`MEMORY_BOUND` (``memory_trace``: resident and GPU bytes at each quarter)."""
+    half = marks[min(1, len(marks) - 1)] if marks else {}
     counts = {k: {} for k in KINDS}
     for r in rows:
         counts[r["kind"]][r["outcome"]] = counts[r["kind"]].get(r["outcome"], 0) + 1
@@ -166,5 +170,6 @@ def soak_summary(rows: list, half: dict, end: dict) -> dict:
     return {"requests": len(rows), "by_kind": counts, "preemptions": end.get("dsa_preemptions_total"), "lost": len(lost), "lost_details": [r["detail"] for r in lost][:10],
             "leaked": leaked, "leak_free": not any(leaked.values()), "memory_half": half, "memory_end": end,
             "memory_growth_bytes": growth, "memory_bound_bytes": MEMORY_BOUND,
+            "memory_trace": [{k: m.get(k) for k in GAUGES[3:]} for m in [*marks, end]],
             "memory_flat": all(v <= MEMORY_BOUND for v in growth.values()),
             "ok": not lost and not any(leaked.values()) and all(v <= MEMORY_BOUND for v in growth.values())}
