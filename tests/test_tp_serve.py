@@ -183,3 +183,77 @@ def test_a_rank_that_dies_stops_rank_0_with_one_line(tmp_path):
     first, late = got["first"], got["late"]
     assert first["reason"] == "abort" and first["error"] == fatal and len(first["tokens"]) < 40
     assert late["reason"] == "abort" and late["error"] == fatal and late["rid"] is None
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--tp", "0"], "--tp must be positive, got 0"),
+    (["--tp", "2"], "--tp 2: tp_size 2: start one process per rank with torchrun")])
+def test_serve_tp_errors_are_one_line(argv, words, monkeypatch):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from dsa.cli import main
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--preset", "tiny", "--device", "cpu", *argv])
+    message = str(e.value.code)
+    assert message.startswith("dsa serve: ") and words in message and "\n" not in message, message
+
+
+def _children(pid: int) -> list:
+    """The processes whose parent is ``pid`` (Linux: /proc/PID/stat, the parent after the name)."""
+    out = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(p))
+        except (OSError, IndexError, ValueError):  # it exited meanwhile
+            pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds rank 1 through /proc (Linux)")
+def test_dsa_serve_tp_2_under_torchrun(tmp_path):
+    """The real command: 2 ranks under torchrun answer a completion with the single-process text;
+    killing rank 1 stops rank 0 (and torchrun) with one line, not a hang."""
+    import signal
+    import subprocess
+    import sys
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from dsa.model.presets import preset_model
+    from dsa.serve.llm import LLM
+    from dsa.serve.tokenizer import ByteTokenizer
+    port, log_path = _free_port(), tmp_path / "serve.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--master-port", str(_free_port()), "-m", "dsa", "serve", "--tp", "2", "--preset",
+                                 "tiny", "--device", "cpu", "--num-blocks", "64", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        assert proc.poll() is None, log_path.read_text()
+        body = {"prompt": "The capital", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        got = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=WAIT_S).json()
+        one = LLM.from_model(preset_model("tiny", "cpu"), ByteTokenizer(), num_blocks=64).generate(
+            "The capital", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+        assert got["choices"][0]["text"] == one.text
+        rank1 = [p for p in _children(proc.pid) if b"LOCAL_RANK=1\0" in open(f"/proc/{p}/environ", "rb").read()]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGKILL)
+        assert proc.wait(WAIT_S) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = [line for line in log_path.read_text().splitlines() if line.startswith("dsa serve: ")]
+    assert len(lines) == 1 and lines[0].startswith("dsa serve: tensor-parallel rank 0: "), log_path.read_text()

@@ -16,7 +16,8 @@ Layout, per rank of ``tp`` ranks:
 - Embeddings, final norm and ``lm_head`` are replicated, so every rank holds the same logits.
 
 Every rank runs the same deterministic scheduler on the same requests (SPMD): steps, plans and
-sampled tokens are identical on all ranks, no broadcast is needed. ``check_selection=True`` (off by
+sampled tokens are identical on all ranks, no broadcast is needed (a server's requests reach the
+other ranks from rank 0: :mod:`dsa.serve.tp_commands`). ``check_selection=True`` (off by
 default) all-gathers a hash of every layer's slots per step and raises if the ranks disagree.
 
 The all-reduce itself is :class:`dsa.model.allreduce.AllReduce` (symmetric memory for small
