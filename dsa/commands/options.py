@@ -25,16 +25,16 @@ def llm_from_args(args, command: str | None = None):
     if args.num_blocks is not None:
         options["num_blocks"] = args.num_blocks
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    tp_size = getattr(args, "tp", 1)
     if getattr(args, "preset", None) is not None:
         from dsa.model.presets import preset_model
         from dsa.serve.tokenizer import ByteTokenizer
         if args.checkpoint is not None:
             raise SystemExit("--preset: give --checkpoint or --preset, not both")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return LLM.from_model(preset_model(args.preset, device, dtype), ByteTokenizer(), **options)
+        return LLM.from_model(preset_model(args.preset, device, dtype, tp_size=tp_size), ByteTokenizer(), **options)
     with checkpoint_errors(command, args.checkpoint):
-        return LLM(args.checkpoint, device=args.device, dtype=dtype,
-                   **options)
+        return LLM(args.checkpoint, device=args.device, dtype=dtype, tp_size=tp_size, **options)
 
 
 @contextlib.contextmanager

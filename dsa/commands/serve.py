@@ -4,11 +4,18 @@ Binds 127.0.0.1 by default; logs one line per request, and a stats line every 10
 SIGTERM or Ctrl-C drain it: new requests get 503, requests in flight get ``--shutdown-timeout``
 seconds, then are aborted (a stream ends with ``finish_reason: "abort"``), and the process exits
 0; a second signal stops it at once.
+
+``--tp N`` under ``torchrun --nproc-per-node N``: every rank holds a shard of the model; rank 0
+serves HTTP and broadcasts each step's requests and aborts to the others, which apply them and step
+along (:mod:`dsa.serve.tp_commands`) and ignore SIGINT / SIGTERM (they stop when rank 0 does). A
+rank that dies or hangs (``TIMEOUT_S``) stops every rank with one line on stderr and exit status 1.
 """
 import asyncio
 import importlib.util
 import logging
 import os
+import signal
+import sys
 
 from dsa.commands.options import add_model_arguments, llm_from_args
 from dsa.model.presets import PRESETS
@@ -31,12 +38,21 @@ def add_parser(sub) -> None:
                    "running) gets 503 with Retry-After (default: no limit)")
     p.add_argument("--request-timeout", type=float, help="seconds after which a request still running is "
                    "aborted (default: none)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each: start with "
+                   "torchrun --nproc-per-node N -m dsa serve --tp N; rank 0 serves HTTP (default: %(default)s)")
     p.set_defaults(func=run)
+
+
+def _die(message: str) -> None:
+    """One line on stderr and exit 1 now: the process group may be stuck, and so may its teardown."""
+    print(message, file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(1)
 
 
 def run(args) -> int:
     for flag, value, minimum in (("--shutdown-timeout", args.shutdown_timeout, 0), ("--max-queued", args.max_queued, 0),
-                                 ("--request-timeout", args.request_timeout, 1e-9)):
+                                 ("--request-timeout", args.request_timeout, 1e-9), ("--tp", args.tp, 1)):
         if value is not None and not value >= minimum:
             raise SystemExit(f"dsa serve: {flag} must be {'positive' if minimum else 'at least 0'}, got {value}")
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
@@ -49,7 +65,31 @@ def run(args) -> int:
     from dsa.serve.openai_server import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    commands = None
+    if args.tp > 1:
+        import torch.distributed as dist
+
+        from dsa.model.parallel import start_process_group
+        from dsa.serve.tp_commands import TIMEOUT_S, TPCommands, follow, one_line
+        try:
+            start_process_group(args.tp, timeout_s=TIMEOUT_S)
+        except RuntimeError as e:
+            raise SystemExit(f"dsa serve: --tp {args.tp}: {e}") from None
+        if dist.get_world_size() != args.tp:
+            raise SystemExit(f"dsa serve: --tp {args.tp}: torchrun started {dist.get_world_size()} processes")
     llm = llm_from_args(args, "serve")
+    if args.tp > 1:
+        commands = TPCommands(llm.model.tp)
+        if commands.rank != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 drains, then sends the stop
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                follow(llm.engine, commands)
+            except Exception as e:  # noqa: BLE001 - rank 0 died or hangs, or the ranks diverged
+                _die(f"dsa serve: tensor-parallel rank {commands.rank}: stopped: {one_line(e)}")
+            dist.destroy_process_group()
+            return 0
     if llm.warmup_report is not None:
         r = llm.warmup_report
         logging.getLogger("dsa.serve").info(
@@ -58,7 +98,8 @@ def run(args) -> int:
             r["kernel_variants"], os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache"))
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
                                       else f"dsa-{args.preset}" if args.preset else "dsa-default")
-    app = build_app(llm, EngineLoop(llm.engine), name, args.api_key, args.max_queued, args.request_timeout)
+    loop = EngineLoop(llm.engine, tp=commands)
+    app = build_app(llm, loop, name, args.api_key, args.max_queued, args.request_timeout)
 
     class Server(uvicorn.Server):
         """uvicorn, except that SIGTERM / Ctrl-C first drain the app (uvicorn would cancel the
@@ -85,5 +126,11 @@ def run(args) -> int:
             self.should_exit = True
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5.0)
-    Server(config).run()
+    server = Server(config)
+    loop.on_fatal = lambda reason: setattr(server, "should_exit", True)  # uvicorn polls it
+    server.run()
+    if loop.fatal is not None:
+        _die(f"dsa serve: {loop.fatal}")
+    if commands is not None:
+        dist.destroy_process_group()
     return 0

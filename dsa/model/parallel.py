@@ -16,7 +16,8 @@ Layout, per rank of ``tp`` ranks:
 - Embeddings, final norm and ``lm_head`` are replicated, so every rank holds the same logits.
 
 Every rank runs the same deterministic scheduler on the same requests (SPMD): steps, plans and
-sampled tokens are identical on all ranks, no broadcast is needed. ``check_selection=True`` (off by
+sampled tokens are identical on all ranks, no broadcast is needed (a server's requests reach the
+other ranks from rank 0: :mod:`dsa.serve.tp_commands`). ``check_selection=True`` (off by
 default) all-gathers a hash of every layer's slots per step and raises if the ranks disagree.
 
 The all-reduce itself is :class:`dsa.model.allreduce.AllReduce` (symmetric memory for small
@@ -28,6 +29,7 @@ import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -133,24 +135,33 @@ def _unit(suffix: str, config) -> int:
     return 1
 
 
+def start_process_group(tp_size: int, *, backend: str | None = None, timeout_s: float | None = None) -> None:
+    """Join the default process group of ``tp_size`` processes started by ``torchrun`` (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set), unless one is already initialized: NCCL
+    on CUDA (each rank on GPU ``LOCAL_RANK``), else gloo. ``timeout_s``: how long a collective
+    waits for the other ranks before it fails (None: torch's default). NVLink multicast is turned
+    off first (:func:`dsa.model.allreduce.disable_multicast`)."""
+    disable_multicast()
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        raise RuntimeError(f"tp_size {tp_size}: start one process per rank with torchrun "
+                           f"(e.g. `torchrun --nproc-per-node {tp_size} -m dsa demo --tp {tp_size}`)")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
+
+
 def init_tensor_parallel(tp_size: int, *, backend: str | None = None, check_selection: bool = False) -> TensorParallel:
-    """Join (or start) the default process group of ``tp_size`` processes started by ``torchrun``
-    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) and return this rank's place.
-    On CUDA each rank uses GPU ``LOCAL_RANK``. NVLink multicast is turned off first
-    (:func:`dsa.model.allreduce.disable_multicast`); the all-reduce path is chosen here (collective)."""
+    """Join (or start, :func:`start_process_group`) the default process group of ``tp_size``
+    processes started by ``torchrun`` and return this rank's place. The all-reduce path is chosen
+    here (collective)."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size: expected a positive int, got {tp_size!r}")
     if tp_size == 1:
         return TensorParallel()
-    disable_multicast()
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            raise RuntimeError(f"tp_size {tp_size}: start one process per rank with torchrun "
-                               f"(e.g. `torchrun --nproc-per-node {tp_size} -m dsa demo --tp {tp_size}`)")
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+    start_process_group(tp_size, backend=backend)
     if dist.get_world_size() != tp_size:
         raise ValueError(f"tp_size: expected the world size {dist.get_world_size()}, got {tp_size}")
     return TensorParallel(tp_size, dist.get_rank(), None, check_selection, AllReduce())

@@ -7,6 +7,12 @@ step that raises aborts every request in flight (their readers see ``error`` set
 keeps serving. While it steps, a stats line goes to the log every ``stats_interval`` seconds
 (prompt and generation throughput, running and waiting requests, cache usage, prefix hit rate);
 an idle loop logs nothing.
+
+Under tensor parallelism (``tp``: a :class:`~dsa.serve.tp_commands.TPCommands`, on rank 0) the
+loop broadcasts the commands it applied before each step (and an empty list every heartbeat while
+idle), for the other ranks' :func:`~dsa.serve.tp_commands.follow`. There a failed broadcast or
+step is fatal: every request in flight or submitted fails with the one-line reason (``fatal``),
+``on_fatal(reason)`` is called and the thread ends (the ranks may no longer agree).
 """
 import asyncio
 import collections
@@ -19,6 +25,7 @@ import time
 import torch
 
 from dsa.engine.output import Delta
+from dsa.serve.tp_commands import one_line
 
 log = logging.getLogger("dsa.serve")
 RATE_WINDOW_S = 10.0
@@ -59,8 +66,10 @@ class Submission:
 class EngineLoop:
     """Owns the engine's thread. ``submit`` / ``abort`` from any thread; ``metrics()`` reads counters."""
 
-    def __init__(self, engine, stats_interval: float = 10.0, clock=time.monotonic):
-        self.engine = engine
+    def __init__(self, engine, stats_interval: float = 10.0, clock=time.monotonic, tp=None):
+        self.engine, self.tp = engine, tp
+        self.fatal = None  # under tensor parallelism: why the loop stopped serving
+        self.on_fatal = None
         self.stats_interval, self.clock = stats_interval, clock
         self._commands = queue.SimpleQueue()
         self._pending = 0  # requests submitted, not yet added to the engine
@@ -86,8 +95,12 @@ class EngineLoop:
 
     def submit(self, sub: Submission) -> None:
         with self._count_lock:
+            if self.fatal is not None:
+                sub.error = self.fatal
+                sub.deliver(Delta(-1, finish_reason="abort"))
+                return
             self._pending += 1
-        self._commands.put(("add", sub))
+            self._commands.put(("add", sub))
 
     def queued(self) -> int:
         """Requests submitted and not running yet: still in the command queue or waiting in the engine."""
@@ -100,21 +113,26 @@ class EngineLoop:
     # ---- the loop thread ---------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        heartbeat = None if self.tp is None else self.tp.heartbeat_s
         while True:
             block = not engine.has_work()
             if block:
                 self._window = None  # idle: the next stats window starts with the next step
+            sent = []  # the commands applied, for the other tensor-parallel ranks
             while True:
                 try:
-                    command = self._commands.get(block=block)
+                    command = self._commands.get(block=block, timeout=heartbeat if block else None)
                 except queue.Empty:
                     break
                 if command is None:
                     self._fail_all("the server is shutting down")
+                    self._send(sent + [("stop",)])
                     return
-                self._apply(*command)
+                sent += self._apply(*command)
                 self._count_waiting()
                 block = False
+            if not self._send(sent):
+                return
             if not engine.has_work():
                 continue
             if self._window is None:
@@ -124,6 +142,9 @@ class EngineLoop:
             try:
                 engine.step()
             except Exception as e:  # noqa: BLE001 - the server keeps running; the requests in flight fail
+                if self.tp is not None:  # the ranks may disagree now: stop serving
+                    self._stop_serving(f"tensor-parallel rank 0: the engine step failed: {one_line(e)}")
+                    return
                 log.exception("engine step failed")
                 self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
             with self._steps_lock:
@@ -137,23 +158,61 @@ class EngineLoop:
                 if sub.admitted is None and rid in engine.running:
                     sub.admitted = self._step_start
 
-    def _apply(self, kind: str, sub: Submission) -> None:
+    def _send(self, commands: list) -> bool:
+        """Broadcast the commands to the other tensor-parallel ranks (nothing to do without them);
+        False when that failed and the loop stopped serving."""
+        if self.tp is None:
+            return True
+        try:
+            self.tp.send(commands)
+            return True
+        except Exception as e:  # noqa: BLE001 - a rank died or hangs: one line, then stop
+            self._stop_serving(f"tensor-parallel rank 0: lost the other ranks: {one_line(e)}")
+            return False
+
+    def _stop_serving(self, reason: str) -> None:
+        """Tell ``on_fatal``, then fail every request in flight or still in the command queue with
+        ``reason``, without touching the engine (its collectives may hang now)."""
+        log.error(reason)
+        failed = list(self._live.values())
+        with self._count_lock:
+            self.fatal = reason  # submit() fails what comes later
+            while True:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command is not None and command[0] == "add":
+                    self._pending -= 1
+                    failed.append(command[1])
+        if self.on_fatal is not None:  # first: a reader that sees the error finds the server stopping
+            self.on_fatal(reason)
+        for sub in failed:
+            if not sub.finished:
+                sub.error = reason
+                sub.deliver(Delta(-1 if sub.rid is None else sub.rid, finish_reason="abort"))
+        self._live.clear()
+
+    def _apply(self, kind: str, sub: Submission) -> list:
+        """Apply one command; returns it as the other tensor-parallel ranks apply it (or nothing)."""
         if kind == "add":
             with self._count_lock:
                 self._pending -= 1
         if kind == "abort":
-            if sub.rid is not None:
-                self.engine.abort(sub.rid)  # no-op when it already finished
-            return
+            if sub.rid is None:
+                return []
+            self.engine.abort(sub.rid)  # no-op when it already finished
+            return [("abort", sub.rid)]
         try:
             sub.rid = self.engine.add_request(sub.prompt_ids, sampling=sub.sampling,
                                               on_output=lambda delta: self._on_output(sub, delta))
         except Exception as e:  # noqa: BLE001 - handlers check requests first; this is a last resort
             sub.error = str(e)
             sub.deliver(Delta(-1, finish_reason="abort"))
-            return
+            return []
         self._live[sub.rid] = sub
         self.prompt_tokens += len(sub.prompt_ids)
+        return [("add", sub.rid, sub.prompt_ids, sub.sampling)]
 
     def _count_waiting(self) -> None:
         with self._count_lock:

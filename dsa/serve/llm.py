@@ -46,19 +46,24 @@ class LLM:
     ``memory_bytes``, ``max_batch_tokens``, ``cuda_graphs``). ``warmup``: run
     :meth:`Engine.warmup` before returning (None: on CUDA, where Triton compiles on first use;
     skipped on CPU), its report in ``warmup_report``. Thread-safe like the engine.
+
+    ``tp_size``: shard the model over that many tensor-parallel ranks, one process each, started
+    by ``torchrun`` (:mod:`dsa.model.parallel`). Every rank builds the LLM and makes the same calls
+    with the same prompts (SPMD: every rank computes the same tokens); ``dsa serve --tp`` serves
+    one (rank 0 takes the requests, :mod:`dsa.serve.tp_commands`).
     """
 
     def __init__(self, checkpoint=None, *, tokenizer=None, dtype: torch.dtype | None = None, device=None,
-                 seed: int = 0, warmup: bool | None = None, **engine_options):
+                 seed: int = 0, warmup: bool | None = None, tp_size: int = 1, **engine_options):
         from dsa.model import DSAModel
         from dsa.model.presets import default_model
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if checkpoint is not None:
             dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-            model = DSAModel.from_pretrained(checkpoint, dtype=dtype, device=device)
+            model = DSAModel.from_pretrained(checkpoint, dtype=dtype, device=device, tp_size=tp_size)
         else:
-            model = default_model(device, dtype, seed)
+            model = default_model(device, dtype, seed, tp_size)
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = Tokenizer.from_pretrained(tokenizer)
         elif tokenizer is None and checkpoint is None:
