@@ -106,11 +106,12 @@ def batch(streams: dict, b: int, t: int, g: torch.Generator, device) -> torch.Te
     return torch.stack([sample_window(streams, t, g) for _ in range(b)]).to(device)
 
 
-def train_stage(model, stage: str, streams: dict, args, g: torch.Generator) -> dict:
+def train_stage(model, stage: str, streams: dict, args, g: torch.Generator, heldout_windows=()) -> dict:
     """One stage for ``--{stage}-minutes`` or ``--max-steps``; AdamW, linear warm-up, cosine to 10% over
-    the budget (time or steps, whichever runs out first)."""
+    the budget (time or steps, whichever runs out first); every ``--heldout-every`` steps the loss on
+    ``heldout_windows`` (dense attention in stage a, sparse after) joins the curve."""
     from dsa.quality.fit import sample_queries
-    from dsa.quality.train import autocast_ctx, indexer_params, model_params, set_trainable, stage_loss
+    from dsa.quality.train import autocast_ctx, heldout_loss, indexer_params, model_params, set_trainable, stage_loss
 
     params = set_trainable(model, stage)
     groups = {"dense": [(model_params(model), args.lr)], "warmup": [(indexer_params(model), args.indexer_lr)],
@@ -144,6 +145,11 @@ def train_stage(model, stage: str, streams: dict, args, g: torch.Generator) -> d
         if step % args.log_every == 0:
             print(f"[{stage}] {row}", flush=True)
         step += 1
+        if heldout_windows and step % args.heldout_every == 0:  # overfitting shows here first
+            model.eval()
+            row["heldout"] = round(heldout_loss(model, heldout_windows, "dense" if stage == "dense" else "sparse",
+                                                autocast=args.amp), 5)
+            model.train()
     return {"steps": step, "seconds": round(time.perf_counter() - t0, 1),
             "tokens": step * args.batch * args.context, "curve": curve}
 
@@ -205,6 +211,9 @@ def plot(record: dict, path: str) -> str:
                 win = max(1, len(ys) // 50)
                 smooth = np.convolve(ys, np.ones(win) / win, mode="valid")
                 axis.plot(steps[win - 1:], smooth, color=colors[stage], label=f"{stage} (train, mean of {win} steps)")
+        probe = [(offset + r["step"], r["heldout"]) for r in rec["curve"] if "heldout" in r]
+        if probe:
+            ax.plot(*zip(*probe), "--", color=colors[stage], label=f"{stage} (held-out probe)")
         end = offset + rec["steps"]
         ev = record["eval"][stage][ctx]
         ax.plot([end], [ev["dense"]], "ko", ms=6, label="held-out, dense attention" if stage == "dense" else None)
@@ -243,7 +252,8 @@ def train(args) -> int:
                           args.index_heads)
     model = new_model(config, args.seed, args.device)
     record = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-              "args": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(args).items() if k != "func"}, "device": device_name(args.device),
+              "args": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(args).items() if k != "func"},
+              "device": device_name(args.device),
               "config": hf_config(config, torch.float32),
               "params": {"total": sum(p.numel() for p in model.parameters()),
                          "indexer": sum(p.numel() for p in indexer_params(model))},
@@ -254,8 +264,9 @@ def train(args) -> int:
               "stages": {}, "eval": {}}
     print(f"model: {record['params']}, train tokens: {record['data']['train_tokens']}", flush=True)
     os.makedirs(args.out, exist_ok=True)
+    probe = [x for ids in heldout.values() for x in windows(ids, args.context, 2)]
     for stage in STAGES:
-        record["stages"][stage] = train_stage(model, stage, streams, args, g)
+        record["stages"][stage] = train_stage(model, stage, streams, args, g, probe)
         model.eval()
         record["eval"][stage] = evaluate(model, heldout, args)
         model.train()
@@ -296,7 +307,8 @@ def main(argv=None) -> int:
     pt.add_argument("--data", default=DATA, help="prepare's output (default: %(default)s)")
     pt.add_argument("--out", default=os.path.join(ROOT, "out", "train_default"))
     pt.add_argument("--layers", type=int, default=6)
-    pt.add_argument("--hidden", type=int, default=384, help="multiple of 64; heads = hidden / 64 (default: %(default)s)")
+    pt.add_argument("--hidden", type=int, default=384,
+                    help="multiple of 64; heads = hidden / 64 (default: %(default)s)")
     pt.add_argument("--index-heads", type=int, default=8)
     pt.add_argument("--context", type=int, default=4096, help="training length and max_position_embeddings; "
                     "index_topk = context / 16 (default: %(default)s)")
@@ -319,11 +331,13 @@ def main(argv=None) -> int:
     pt.add_argument("--seed", type=int, default=0)
     pt.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     pt.add_argument("--log-every", type=int, default=20)
+    pt.add_argument("--heldout-every", type=int, default=250,
+                    help="steps between held-out probes (2 windows per held-out file; default: %(default)s)")
     pt.set_defaults(func=train)
     args = p.parse_args(argv)
     if args.command == "train":
         args.amp = torch.bfloat16 if args.device == "cuda" else None
-        for name in ("layers", "batch", "kl_queries", "eval_windows", "log_every", "lr_warmup"):
+        for name in ("layers", "batch", "kl_queries", "eval_windows", "log_every", "lr_warmup", "heldout_every"):
             if getattr(args, name) < 1:
                 raise SystemExit(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
     return args.func(args)
