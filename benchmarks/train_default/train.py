@@ -313,9 +313,9 @@ def main(argv=None) -> int:
     pt.add_argument("--context", type=int, default=4096, help="training length and max_position_embeddings; "
                     "index_topk = context / 16 (default: %(default)s)")
     pt.add_argument("--batch", type=int, default=16, help="sequences per step (default: %(default)s)")
-    pt.add_argument("--dense-minutes", type=float, default=9.0)
-    pt.add_argument("--warmup-minutes", type=float, default=2.0)
-    pt.add_argument("--sparse-minutes", type=float, default=5.0)
+    pt.add_argument("--dense-minutes", type=float, default=8.0)
+    pt.add_argument("--warmup-minutes", type=float, default=1.5)
+    pt.add_argument("--sparse-minutes", type=float, default=4.5)
     pt.add_argument("--max-steps", type=int, default=None, help="also stop each stage after this many steps")
     pt.add_argument("--lr", type=float, default=2e-3, help="dense stage peak (default: %(default)s)")
     pt.add_argument("--indexer-lr", type=float, default=1e-3, help="indexer, stages b and c (default: %(default)s)")
