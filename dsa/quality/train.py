@@ -1,0 +1,332 @@
+"""Training a small DeepSeek-V3.2-architecture model from scratch: DeepSeek-V3.2's three stages, scaled down.
+
+The model is a :class:`dsa.DSAModel` (MLA with the 576-wide latent, a lightning indexer per layer, dense
+MLP); training runs its own modules through differentiable torch, since the kernels have no backward.
+Each path computes what the inference path computes:
+
+    dense:    MLA by the up-projected path of ``DSAAttention._mha`` (the prefill path): ``kv_b_proj`` on the
+              normed latent, the RoPE'd ``k_pe`` shared by the heads, SDPA causal at ``softmax_scale``
+              (the absorbed kernels compute the same function)
+    indexer:  ``LightningIndexer.project``, then ``sum_h w[t, h] HI^-0.5 DI^-0.5 relu(q[t, h] . k[s])`` over
+              ``s <= t``: the exact-precision logits (the FP8 + Hadamard path approximates them)
+    sparse:   the same MLA with each query restricted to the top-k positions of its layer's indexer
+              logits (every position while ``t < k``); a layer that skips its indexer reuses the last
+              selection, as ``DSAAttention`` does
+
+Stages (:func:`stage_loss`):
+
+    dense  (a): LM loss, dense attention; the indexers get no gradient
+    warmup (b): everything but the indexers frozen; each indexer trained on
+                ``KL(head-averaged attention || softmax(indexer logits))`` over its query's causal keys
+    sparse (c): attention on the top-k; each indexer trained on the KL over its selected set with its
+                input detached (no indexer gradient reaches the model); the model on the LM loss
+
+The KL terms use ``kl_rows`` query positions (every sequence of the batch at the same positions) to
+bound the ``[B, Q, HI, S]`` temporaries. :func:`export` writes the V3.2 HF layout.
+"""
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from dsa.config import DSAConfig
+from dsa.kernels.indexer_query_prep import weight_scale
+from dsa.quality.selection import warmup_kl
+
+STAGES = ("dense", "warmup", "sparse")
+LOGIT_CHUNK_ELEMS = 1 << 27  # [B, C, HI, S] elements per no-grad indexer chunk
+BOS, EOS = "<|bos|>", "<|endoftext|>"  # ids 0 and 1 of the trained tokenizer (V3.2's ids)
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def model_config(vocab_size: int, layers: int, hidden: int, context: int, index_heads: int = 8) -> DSAConfig:
+    """A small V3.2-shaped config: the real latent (512 + 64) and indexer key width (128), 64-wide heads
+    (``hidden / 64`` of them), ``q_lora_rank = hidden / 2``, a SwiGLU MLP of ``8/3 hidden`` (rounded to 64),
+    plain RoPE up to ``context``, ``index_topk = context / 16``; BOS 0, EOS 1."""
+    if hidden % 64 or hidden < 128:
+        raise ValueError(f"hidden: expected a multiple of 64 >= 128, got {hidden}")
+    if context % 16 or context < 256:
+        raise ValueError(f"context: expected a multiple of 16 >= 256, got {context}")
+    return DSAConfig.deepseek_v32(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=64 * round(hidden * 8 / 3 / 64),
+        num_hidden_layers=layers, num_attention_heads=hidden // 64, q_lora_rank=hidden // 2, qk_nope_head_dim=64,
+        v_head_dim=64, n_routed_experts=None, rope_scaling=None, max_position_embeddings=context,
+        index_n_heads=index_heads, index_head_dim=128, index_topk=context // 16, bos_token_id=0, eos_token_id=1)
+
+
+def new_model(config: DSAConfig, seed: int, device):
+    """A trainable fp32 :class:`DSAModel` with ``DSAModel.random``'s init (normal(0, 0.02), norms at 1)."""
+    from dsa.model import DSAModel
+    return DSAModel.random(config, seed=seed, dtype=torch.float32, device=device).train().requires_grad_(True)
+
+
+def indexer_params(model) -> list:
+    return [p for n, p in model.named_parameters() if ".indexer." in n]
+
+
+def model_params(model) -> list:
+    return [p for n, p in model.named_parameters() if ".indexer." not in n]
+
+
+# ---- the differentiable paths -----------------------------------------------------------------
+def mla(attn, q_nope, q_pe, kv_c, k_pe, b: int, s: int, mask=None) -> torch.Tensor:
+    """``[B * S, hidden]``: MLA of ``B`` sequences of ``S`` tokens, causal, or on ``mask [B, S, S]``."""
+    c, h = attn.config, attn.num_heads
+    kv = F.linear(kv_c, attn.kv_b_proj.weight).view(b, s, h, -1)
+    k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+    k = torch.cat((k_nope, k_pe.view(b, s, 1, -1).expand(b, s, h, c.qk_rope_head_dim)), dim=-1)
+    q = torch.cat((q_nope, q_pe), dim=-1).view(b, s, h, -1)
+    if v.shape[-1] != k.shape[-1]:  # equal head dims let SDPA pick a fused kernel
+        v = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if mask is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.softmax_scale)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=attn.softmax_scale)
+    return attn.o_proj(o[..., :c.v_head_dim].transpose(1, 2).reshape(b * s, -1))
+
+
+@torch.no_grad()
+def head_avg_probs(attn, q_nope, q_pe, kv_c, k_pe, b: int, s: int, rows: torch.Tensor, allowed=None):
+    """``[B, Q, S]`` fp32: the attention of query positions ``rows`` averaged over heads (causal, or on
+    ``allowed [B, Q, S]``); rows sum to 1."""
+    c, h = attn.config, attn.num_heads
+    k_nope = F.linear(kv_c, attn.kv_b_proj.weight).view(b, s, h, -1)[..., :c.qk_nope_head_dim]
+    k = torch.cat((k_nope, k_pe.view(b, s, 1, -1).expand(b, s, h, c.qk_rope_head_dim)), dim=-1).float()
+    q = torch.cat((q_nope, q_pe), dim=-1).view(b, s, h, -1)[:, rows].float()
+    scores = torch.einsum("bqhd,bshd->bhqs", q, k) * attn.softmax_scale
+    keep = torch.arange(s, device=q.device)[None, :] <= rows[:, None]
+    keep = keep[None] if allowed is None else keep[None] & allowed
+    return torch.softmax(scores.masked_fill(~keep[:, None], float("-inf")), dim=-1).mean(1)
+
+
+def indexer_logits(indexer, x, qr, rot, b: int, s: int, rows=None) -> torch.Tensor:
+    """``[B, Q, S]`` fp32 exact-precision logits of query positions ``rows`` (default: all), ``-inf``
+    past each query; chunked over the queries when no gradient is recorded."""
+    c = indexer.config
+    q, k, w = indexer.project(x, qr, rot)
+    q, k = q.view(b, s, c.index_n_heads, -1), k.view(b, s, -1)
+    w = w.view(b, s, -1) * weight_scale(c.index_n_heads, c.index_head_dim)
+    rows = torch.arange(s, device=x.device) if rows is None else rows
+    q, w = q[:, rows], w[:, rows]
+    step = len(rows) if torch.is_grad_enabled() else max(1, LOGIT_CHUNK_ELEMS // (b * c.index_n_heads * s))
+    cols = torch.arange(s, device=x.device)
+    out = []
+    for r0 in range(0, len(rows), step):
+        r1 = r0 + step
+        score = torch.einsum("bqh,bqhs->bqs", w[:, r0:r1].to(q.dtype),
+                             torch.relu(torch.einsum("bqhd,bsd->bqhs", q[:, r0:r1], k))).float()
+        out.append(score.masked_fill(cols[None, None, :] > rows[None, r0:r1, None], float("-inf")))
+    return torch.cat(out, dim=1)
+
+
+def topk_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """``[B, S, S]`` bool: each query's ``k`` best causal positions (all of them while they fit); ties
+    at the k-th value go to the lowest positions, the inference top-k's rule."""
+    idx = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :k]
+    mask = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter_(-1, idx, True)
+    return mask & torch.isfinite(logits)
+
+
+def run(model, ids: torch.Tensor, mode: str, topk: int | None = None, kl_rows=None, observe=None):
+    """``(logits [B, S, vocab] fp32, [KL per indexer layer])`` for ``ids [B, S]``.
+
+    ``mode``: ``"dense"`` (no indexer), ``"warmup"`` (dense attention, KL to the full attention) or
+    ``"sparse"`` (attention on each query's top-``topk``, default ``config.index_topk``; KL on the
+    selected set). The KL terms (rows ``kl_rows``, none when None) read the indexer input detached.
+    ``observe(layer_id, attn, h, qr, parts, rot)`` sees each layer's attention input and projections.
+    """
+    if mode not in STAGES:
+        raise ValueError(f"mode: expected one of {STAGES}, got {mode!r}")
+    b, s = ids.shape
+    topk = topk or model.config.index_topk
+    rot = model.rope_at(torch.arange(s, device=ids.device)).repeat(b, 1)
+    x = model.embed_tokens(ids).view(b * s, -1)
+    selected, kls = None, []
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        qr, *parts = attn.project(h, rot)  # q_nope, q_pe, kv_c, k_pe
+        parts[0] = parts[0].view(b, s, attn.num_heads, -1)
+        parts[1] = parts[1].reshape(b, s, attn.num_heads, -1)
+        if observe is not None:
+            observe(i, attn, h, qr, parts, rot)
+        if mode != "dense" and attn.indexer is not None:
+            if mode == "sparse":
+                with torch.no_grad():
+                    selected = topk_mask(indexer_logits(attn.indexer, h, qr, rot, b, s), topk)
+            if kl_rows is not None:
+                logits = indexer_logits(attn.indexer, h.detach(), qr.detach(), rot, b, s, kl_rows)
+                allowed = None if mode == "warmup" else selected[:, kl_rows]
+                probs = head_avg_probs(attn, *parts, b, s, kl_rows, allowed)
+                if allowed is not None:
+                    logits = logits.masked_fill(~allowed, float("-inf"))
+                kls.append(warmup_kl(logits.flatten(0, 1), probs.flatten(0, 1)))
+        x = x + mla(attn, *parts, b, s, selected if mode == "sparse" else None)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.norm(x)).view(b, s, -1).float(), kls
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy [nats / token]."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def stage_loss(model, ids: torch.Tensor, stage: str, kl_rows: torch.Tensor) -> tuple:
+    """``(loss to minimize, {"lm": ..., "kl": ...})`` of one stage on a batch (see the module docstring)."""
+    if stage == "dense":
+        logits, _ = run(model, ids, "dense")
+        lm = lm_loss(logits, ids)
+        return lm, {"lm": lm.item()}
+    if stage == "warmup":  # the model is frozen (set_trainable): the graph holds only the indexers' terms
+        _, kls = run(model, ids, "warmup", kl_rows=kl_rows)
+        kl = torch.stack(kls).mean()
+        return kl, {"kl": kl.item()}
+    logits, kls = run(model, ids, "sparse", kl_rows=kl_rows)
+    lm, kl = lm_loss(logits, ids), torch.stack(kls).mean()
+    return lm + kl, {"lm": lm.item(), "kl": kl.item()}
+
+
+def set_trainable(model, stage: str) -> list:
+    """Freeze per stage; returns the trainable parameters (dense: all but the indexers; warmup: the
+    indexers; sparse: all)."""
+    if stage not in STAGES:
+        raise ValueError(f"stage: expected one of {STAGES}, got {stage!r}")
+    for n, p in model.named_parameters():
+        is_indexer = ".indexer." in n
+        p.requires_grad_({"dense": not is_indexer, "warmup": is_indexer, "sparse": True}[stage])
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+# ---- evaluation ------------------------------------------------------------------------------
+@torch.no_grad()
+def heldout_loss(model, windows: list, mode: str, topk: int | None = None, autocast=None) -> float:
+    """Mean next-token loss [nats / token] over ``windows`` (``[S]`` token tensors), one at a time."""
+    total = 0.0
+    for ids in windows:
+        with autocast_ctx(ids.device, autocast):
+            logits, _ = run(model, ids[None].to(model.device), mode, topk)
+        total += float(lm_loss(logits, ids[None].to(model.device)))
+    return total / max(1, len(windows))
+
+
+@torch.no_grad()
+def selection_recall(model, windows: list, topk: int, queries: int, autocast=None) -> dict:
+    """Attention-mass recall of the indexer's top-``topk`` on the dense model: per layer the mean share of
+    the head-averaged attention mass that the indexer's selection holds, and the most any ``topk``
+    positions hold (the oracle), over ``queries`` query positions ``>= topk`` per window."""
+    got = {}
+
+    def observe(i, attn, h, qr, parts, rot):
+        if attn.indexer is None:
+            return
+        probs = head_avg_probs(attn, *parts, 1, s, rows)[0]  # [Q, S]
+        logits = indexer_logits(attn.indexer, h, qr, rot, 1, s, rows)[0]
+        sel = logits.topk(topk, dim=-1).indices
+        row = got.setdefault(i, {"indexer": 0.0, "oracle": 0.0})
+        row["indexer"] += float(probs.gather(1, sel).sum(1).mean()) / len(windows)
+        row["oracle"] += float(probs.topk(topk, dim=-1).values.sum(1).mean()) / len(windows)
+
+    for ids in windows:
+        s = ids.numel()
+        if s <= topk:
+            raise ValueError(f"windows: {s} tokens leave no query past topk = {topk}")
+        rows = torch.linspace(topk, s - 1, min(queries, s - topk), device=model.device).long()
+        with autocast_ctx(model.device, autocast):
+            run(model, ids[None].to(model.device), "dense", observe=observe)
+    layers = {i: {**v, "recall": v["indexer"] / max(v["oracle"], 1e-30)} for i, v in got.items()}
+    mean = {k: sum(v[k] for v in layers.values()) / len(layers) for k in ("indexer", "oracle", "recall")}
+    return {"per_layer": layers, "mean": mean}
+
+
+def autocast_ctx(device, dtype):
+    """bf16 autocast on CUDA when ``dtype`` says so; a no-op otherwise."""
+    import contextlib
+    if dtype is None or torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=dtype)
+
+
+# ---- export: the DeepSeek-V3.2 HF layout -----------------------------------------------------
+def hf_config(config: DSAConfig, dtype: torch.dtype) -> dict:
+    """``config.json`` for transformers' ``DeepseekV32ForCausalLM`` and :meth:`DSAModel.from_pretrained`.
+    A dense-MLP model is written as V3.2 writes its first dense layers: ``first_k_dense_replace`` =
+    every layer (one routed expert declared, none built)."""
+    c = config
+    if c.n_routed_experts is not None or c.rope_scaling is not None:
+        raise ValueError("config: export writes dense-MLP models with plain RoPE (n_routed_experts=None, "
+                         "rope_scaling=None)")
+    return {
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+        "dtype": str(dtype).removeprefix("torch."), "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "moe_intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_attention_heads, "q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank,
+        "qk_nope_head_dim": c.qk_nope_head_dim, "qk_rope_head_dim": c.qk_rope_head_dim, "v_head_dim": c.v_head_dim,
+        "n_routed_experts": 1, "n_shared_experts": 1, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1,
+        "first_k_dense_replace": c.num_hidden_layers, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": False, "attention_bias": False,
+        "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "index_n_heads": c.index_n_heads,
+        "index_head_dim": c.index_head_dim, "index_topk": c.index_topk}
+
+
+def export(model, tokenizer_file: str, out_dir: str, dtype: torch.dtype = torch.float32, meta=None) -> str:
+    """Write ``config.json``, ``model.safetensors`` (HF names: ``model.`` + ours, ``lm_head.weight``),
+    ``tokenizer.json``, ``tokenizer_config.json`` (BOS, EOS, a ``role: content`` chat template) and
+    ``generation_config.json``; ``meta``: strings for the safetensors header."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {(k if k.startswith("lm_head.") else "model." + k): v.detach().to(dtype).contiguous().cpu()
+               for k, v in model.state_dict().items()}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt", **(meta or {})})
+    c = model.config
+    files = {"config.json": hf_config(c, dtype),
+             "tokenizer_config.json": {"bos_token": BOS, "eos_token": EOS, "chat_template": CHAT_TEMPLATE,
+                                       "model_max_length": c.max_position_embeddings},
+             "generation_config.json": {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id}}
+    for name, data in files.items():
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(data, f, indent=1)
+    shutil.copyfile(tokenizer_file, os.path.join(out_dir, "tokenizer.json"))
+    return out_dir
+
+
+# ---- the tokenizer ----------------------------------------------------------------------------
+def train_tokenizer(files: list, vocab_size: int, out_file: str):
+    """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` trained on ``files`` (documents
+    separated by ``<|endoftext|>``), BOS ``<|bos|>`` = 0 and EOS ``<|endoftext|>`` = 1, BOS added by
+    ``encode``; saved to ``out_file``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+
+    def docs():
+        for path in files:
+            with open(path, encoding="utf-8") as f:
+                yield from (d.strip() for d in f.read().split(EOS) if d.strip())
+    tok.train_from_iterator(docs(), trainer)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 0)])
+    tok.save(out_file)
+    return tok
+
+
+def tokenize_file(path: str, tok):
+    """One text file -> uint16/int32 ids: each document as ``BOS ids EOS``."""
+    import numpy as np
+    with open(path, encoding="utf-8") as f:
+        docs = [d.strip() for d in f.read().split(EOS) if d.strip()]
+    ids = []
+    for enc in tok.encode_batch(docs):  # the post-processor adds BOS
+        ids.extend(enc.ids)
+        ids.append(1)
+    return np.asarray(ids, dtype=np.uint16 if tok.get_vocab_size() < 1 << 16 else np.int32)

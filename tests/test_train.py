@@ -1,0 +1,164 @@
+"""Training the default model (dsa.quality.train, benchmarks/train_default/train.py) on CPU, tiny.
+
+The differentiable paths compute what DSAModel computes; each stage trains the right parameters
+(b: only the indexers; c: the indexer KL reaches only the indexers, the LM loss only the model); an
+export loads in DSAModel, transformers' DeepseekV32ForCausalLM and dsa.LLM with matching logits.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsa.model import DSAModel
+from dsa.quality import train as T
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT = [open(os.path.join(ROOT, "tests", "data", f"sotu-{y}-opening.txt")).read() for y in (1790, 1996)]
+
+
+def tiny_model(seed=0, vocab=300):
+    return T.new_model(T.model_config(vocab, 2, 128, 256, index_heads=4), seed, "cpu")
+
+
+def ids_batch(b=2, s=64, vocab=300, seed=1):
+    return torch.randint(2, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def inference_copy(model, **changes):
+    m = DSAModel(model.config.replace(indexer_precision="exact", **changes))
+    m.load_state_dict(model.state_dict())
+    return m.finalize(torch.float32, "cpu")
+
+
+def test_paths_match_dsamodel():
+    model = tiny_model()
+    with torch.no_grad():  # wider than the init, so selections differ from "the last k positions"
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.05)
+    ids = ids_batch()  # 64 tokens > index_topk = 16: the sparse regime
+    with torch.no_grad():
+        sparse, _ = T.run(model, ids, "sparse")
+        dense, _ = T.run(model, ids, "dense")
+    torch.testing.assert_close(sparse, inference_copy(model)(ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dense, inference_copy(model, index_topk=64)(ids), atol=1e-4, rtol=1e-4)
+    assert (sparse - dense).abs().max() > 1e-2  # the selection matters
+
+
+def _steps(model, stage, ids, n=4, lr=3e-3):
+    params = T.set_trainable(model, stage)
+    opt = torch.optim.AdamW(params, lr=lr)
+    rows = torch.arange(16, 64, 4)
+    losses = []
+    for _ in range(n):
+        loss, row = T.stage_loss(model, ids, stage, rows)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(row)
+    return params, losses
+
+
+def test_stages_train_the_right_parameters():
+    model, ids = tiny_model(), ids_batch()
+    names = {id(p): n for n, p in model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    params, losses = _steps(model, "dense", ids)
+    assert all(".indexer." not in names[id(p)] for p in params)
+    assert losses[-1]["lm"] < losses[0]["lm"]
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(".indexer." not in n for n in changed)
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params, losses = _steps(model, "warmup", ids, n=6, lr=1e-2)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {n for n in before if ".indexer." in n}  # stage b: only the indexers move
+    assert losses[-1]["kl"] < losses[0]["kl"]
+
+    _, losses = _steps(model, "sparse", ids)
+    assert all(torch.isfinite(torch.tensor(list(r.values()))).all() for r in losses)
+    assert losses[-1]["lm"] < losses[0]["lm"]
+
+
+def test_sparse_indexer_input_detached():
+    model, ids = tiny_model(), ids_batch()
+    T.set_trainable(model, "sparse")
+    logits, kls = T.run(model, ids, "sparse", kl_rows=torch.arange(16, 64, 4))
+    grads = torch.autograd.grad(torch.stack(kls).sum(), list(model.parameters()), allow_unused=True)
+    for (n, _), g in zip(model.named_parameters(), grads):
+        assert (g is not None and g.abs().sum() > 0) == (".indexer." in n), n  # the KL reaches only the indexers
+    grads = torch.autograd.grad(T.lm_loss(logits, ids), list(model.parameters()), allow_unused=True)
+    for (n, _), g in zip(model.named_parameters(), grads):
+        assert (g is None) == (".indexer." in n), n  # the LM loss never reaches the indexers (top-k)
+
+
+def _lowest_first_topk(self, k, dim=-1, largest=True, sorted=True):
+    order = torch.sort(self, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)))
+
+
+def test_export_loads_everywhere(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    text = tmp_path / "train.txt"
+    text.write_text(f"\n{T.EOS}\n".join(TEXT))
+    tok = T.train_tokenizer([str(text)], 300, str(tmp_path / "tokenizer.json"))
+    ids = torch.from_numpy(T.tokenize_file(str(text), tok).astype("int64"))
+    model = tiny_model(vocab=tok.get_vocab_size())
+    batch = torch.stack([ids[:64], ids[64:128]])
+    for stage in T.STAGES:
+        _steps(model, stage, batch, n=2)
+    out = T.export(model.eval(), str(tmp_path / "tokenizer.json"), str(tmp_path / "model"))
+    with torch.no_grad():
+        ours, _ = T.run(model, batch, "sparse")
+
+    loaded = DSAModel.from_pretrained(out, dtype=torch.float32, device="cpu", indexer_precision="exact")
+    assert loaded.config.model_type == "deepseek_v32" and loaded.config.index_topk == 16
+    got = loaded(batch)
+    torch.testing.assert_close(got, ours, atol=1e-4, rtol=1e-4)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    assert type(hf).__name__ == "DeepseekV32ForCausalLM"
+    with torch.no_grad(), monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "topk", _lowest_first_topk)
+        ref = hf(batch).logits.float()
+    cos = torch.nn.functional.cosine_similarity(got.flatten(0, 1).double(), ref.flatten(0, 1).double(), dim=-1)
+    assert cos.mean() >= 0.999  # test_interop's float32 tolerances
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.97
+
+    import dsa
+    llm = dsa.LLM(out, device="cpu", dtype=torch.float32)
+    assert llm.tokenizer.bos_token_id == 0 and llm.tokenizer.eos_token_id == 1
+    done = llm.generate(["Fellow-Citizens of"], dsa.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(done[0].token_ids) == 4
+    assert llm.chat([{"role": "user", "content": "hi"}], dsa.SamplingParams(max_tokens=2, temperature=0))
+
+
+@pytest.mark.slow
+def test_script_end_to_end(tmp_path):
+    """``prepare`` + ``train`` on two short texts, one step per stage: train.json, the plot, the export."""
+    for split, body in (("train", f"\n{T.EOS}\n".join([TEXT[0]] * 4)), ("heldout", TEXT[1])):
+        (tmp_path / "text" / split).mkdir(parents=True)
+        (tmp_path / "text" / split / "sotu.txt").write_text(body)
+    script = os.path.join(ROOT, "benchmarks", "train_default", "train.py")
+    run = dict(check=True, capture_output=True, text=True, cwd=ROOT)
+    subprocess.run([sys.executable, script, "prepare", "--text", str(tmp_path / "text"), "--out",
+                    str(tmp_path / "data"), "--vocab", "300"], **run)
+    subprocess.run([sys.executable, script, "train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
+                    "--layers", "1", "--hidden", "128", "--index-heads", "4", "--context", "256", "--batch", "1",
+                    "--max-steps", "1", "--eval-contexts", "256", "--eval-windows", "1", "--kl-queries", "8",
+                    "--recall-queries", "4", "--prompts", "The", "--sample-tokens", "2", "--heldout-every", "1", "--device", "cpu"], **run)
+    record = json.loads((tmp_path / "out" / "train.json").read_text())
+    assert record["command"].endswith("--device cpu")
+    assert [record["stages"][s]["steps"] for s in T.STAGES] == [1, 1, 1]
+    assert all("heldout" in record["stages"][s]["curve"][0] for s in T.STAGES)
+    assert set(record["eval"]["sparse"]["256"]) >= {"dense", "sparse", "k"}
+    assert 0 < record["recall"]["256"]["mean"]["recall"] <= 1.0 + 1e-6
+    assert (tmp_path / "out" / "train_loss.png").exists() and (tmp_path / "out" / "model" / "tokenizer.json").exists()
+    bad = subprocess.run([sys.executable, script, "train", "--data", str(tmp_path / "nowhere")], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("--data: no data_manifest.json")
