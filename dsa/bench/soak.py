@@ -143,8 +143,9 @@ async def soak_run(url: str, api_key, model: str, plan: list, args) -> tuple:
     return rows, marks
 
 
-def settled_gauges(url: str, api_key, timeout: float = 60.0) -> dict:
-    """The gauges once no request runs or waits (dropped streams are aborted asynchronously)."""
+def settled_gauges(url: str, api_key, timeout: float = 600.0) -> dict:
+    """The gauges once no request runs or waits (dropped streams are aborted asynchronously); a
+    generous bound, so a slow machine is waited for rather than reported as leaking."""
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout

@@ -142,10 +142,6 @@ class BlockManager:
         self.refs[block] = 1
         return block
 
-    def blocks_for(self, req, num_tokens: int) -> int:
-        """New blocks ``req`` needs to hold ``num_tokens`` tokens."""
-        return max(0, cdiv(num_tokens, self.block_size) - len(req.blocks))
-
     def name_full_blocks(self, req) -> None:
         """Name the blocks of ``req`` whose tokens are all computed (call after each step)."""
         if not self.prefix_caching:

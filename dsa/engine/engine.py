@@ -55,7 +55,7 @@ class _InFlight:
 
 @dataclass
 class EngineStats:
-    """What the engine has done since it started (or since :meth:`Engine.reset_stats`)."""
+    """What the engine has done since it started."""
     rows: dict = field(default_factory=lambda: dict.fromkeys(PATHS, 0))  # rows per path, named by the kernels run
     prefill_chunks: int = 0  # prefill chunks (a prompt longer than max_batch_tokens takes several)
     peak_workspace_bytes: int = 0  # the largest MHA workspace a step needed
@@ -148,10 +148,6 @@ class Engine:
         s.kernel_compiles = compiles.total()
         s.compiles_after_warmup = None if self._warm_total is None else s.kernel_compiles - self._warm_total
         return s
-
-    def reset_stats(self) -> None:
-        """Zero the step counters (e.g. after an untimed warm-up); blocks and the prefix cache stay."""
-        self._stats = EngineStats()
 
     @property
     def caches(self):
