@@ -48,7 +48,8 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
     out = s.schedule()  # a needs a third block for token 33: none is free, b (newest) goes
     assert out.requests == [a] and out.preempted == [b] and list(s.waiting) == [b]
     assert b.computed == 0 and b.blocks == [] and b.num_preemptions == 1 and s.blocks.num_used == 3
-    assert s.schedule().finished == [1]  # the runner hears that b's blocks are gone
+    assert out.finished == [1]  # the runner hears that b's blocks are gone, with the step that ran without it
+    assert s.schedule().finished == []
 
 
 def test_pool_for_four_worst_cases_runs_twelve_requests(model):
@@ -115,3 +116,27 @@ def test_block_tables_kept_across_steps_equal_tables_rebuilt_from_the_requests(m
     while engine.has_work():
         engine.step()
     assert checked[0] > 10 and engine.stats.blocks_in_use == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1], ids=lambda s: f"seed{s}")
+def test_block_table_rows_of_requests_that_left_are_freed(model, seed):
+    """A request that finished, was aborted or preempted gives its row back with the next step that
+    runs, also when the step that saw it leave scheduled nothing (the engine went idle): after each
+    wave no row is held for a request of an earlier wave, and the table never grows."""
+    rng = random.Random(seed)
+    engine = Engine(model, num_blocks=8, max_batch_tokens=48)  # 8 blocks of 16: requests get preempted
+    tables = engine.runner.tables
+    rows = len(tables.table)
+    earlier = set()
+    for _ in range(6):
+        wave = [engine.add_request(prompt(rng.randint(1, 60), rng.randint(0, 999)), rng.randint(1, 12))
+                for _ in range(8)]
+        steps = 0
+        while engine.has_work():
+            engine.step()
+            steps += 1
+            if steps == 2:
+                engine.abort(wave[0])
+        assert not set(tables.row_of) & earlier, (sorted(tables.row_of), sorted(earlier))
+        earlier |= set(wave)
+    assert len(tables.table) == rows and engine.stats.preemptions > 0

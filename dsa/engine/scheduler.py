@@ -64,7 +64,7 @@ class SchedulerOutput:
     num_rows: list  # rows each request computes: tokens[computed : computed + n]
     admitted: list = field(default_factory=list)  # Request admitted (or resumed) this step, with their blocks
     preempted: list = field(default_factory=list)  # Request that lost their blocks this step (requeued)
-    finished: list = field(default_factory=list)  # rids that left (finished, aborted) since the last step
+    finished: list = field(default_factory=list)  # rids that left (finished, aborted, preempted) since the last step run
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -84,7 +84,7 @@ class Scheduler:
         self.waiting: deque = deque()
         self.running: dict = {}  # rid -> Request, in admission order
         self.num_preemptions = 0
-        self._left: list = []  # rids of running requests that left since the last schedule
+        self._left: list = []  # rids of running requests that left since the last step that ran
 
     def blocks_for(self, tokens: int) -> int:
         return cdiv(tokens, self.block_size)
@@ -97,8 +97,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's rows (module docstring): decode rows, then prefill chunks."""
-        out = SchedulerOutput([], [], finished=self._left)
-        self._left = []
+        out = SchedulerOutput([], [])
         budget = self.max_batch_tokens
         for req in list(self.running.values()):  # decode rows, oldest first
             if req.rid not in self.running or req.prefilling or req.done or budget == 0:
@@ -119,6 +118,8 @@ class Scheduler:
                     budget -= n
         if not out.preempted:  # admitting while preempting would only thrash
             self._admit(out, budget)
+        if out:  # the rids that left reach the runner with the next step it runs (an empty one runs nothing)
+            out.finished, self._left = self._left, []
         return out
 
     def _fit(self, req: Request, rows: int) -> int:
