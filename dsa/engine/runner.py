@@ -115,6 +115,8 @@ class ModelRunner:
         from ``previous = (tokens [B'] int64, {request id: row})``, that step's sampled ids."""
         for rid in out.finished:
             self.tables.release(rid)
+        for req in out.admitted:  # a request resumed after preemption starts a fresh row too
+            self.tables.release(req.rid)
         reqs, q = out.requests, out.num_rows
         rows = np.fromiter((self.tables.sync(r) for r in reqs), dtype=np.int64, count=len(reqs))
         c = [r.computed for r in reqs]
