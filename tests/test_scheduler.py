@@ -85,10 +85,11 @@ def test_requests_on_one_document_sent_together_compute_it_once(model):
     assert together.stats.prefix.hit_tokens == 3 * 96
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2], ids=lambda s: f"seed{s}")
-def test_block_tables_kept_across_steps_equal_tables_rebuilt_from_the_requests(model, seed, monkeypatch):
+@pytest.mark.parametrize("seed", range(8), ids=lambda s: f"seed{s}")
+@pytest.mark.parametrize("num_blocks", [6, 24], ids=lambda n: f"{n}blocks")  # 6: preemption while idle steps
+def test_block_tables_kept_across_steps_equal_tables_rebuilt_from_the_requests(model, seed, num_blocks, monkeypatch):
     rng = random.Random(seed)
-    engine = Engine(model, num_blocks=24, max_batch_tokens=48)
+    engine = Engine(model, num_blocks=num_blocks, max_batch_tokens=48)
     real_pack = dsa.model.plan.HostPlan.pack.__func__
     checked = [0]
 
