@@ -20,6 +20,7 @@ from dsa.kernels.common import cdiv
 from dsa.kernels.topk import warm_topk_slots
 from dsa.model.layers import MoE
 from dsa.model.plan import BatchPlan, HostPlan
+from dsa.model.staging import PinnedBuffers
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTEXT_STEP = 4096  # context buckets: powers of two up to this, then its multiples
@@ -107,6 +108,7 @@ class ModelRunner:
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.plan_options = model.plan_options()  # the same every step
         self.tables = BlockTables(cdiv(model.config.max_position_embeddings, model.config.block_size))
+        self.staging = PinnedBuffers(model.device, torch.int32)  # each step's packed plan, on its way up
 
     def run(self, out, previous=None) -> StepResult:
         """Run a :class:`~dsa.engine.scheduler.SchedulerOutput`: request ``i`` computes the rows of
@@ -140,7 +142,7 @@ class ModelRunner:
             g = self.graphs.get((bucket, ctx)) or self._capture(host, bucket, ctx)
             if host.spec != g.spec:
                 raise AssertionError("a graph bucket's plan layout changed")
-            host.upload(g.buf)
+            host.upload(g.buf, self.staging)
             if src is not None:
                 _read_pending(host, g.buf, previous[0])
             g.graph.replay()
@@ -148,7 +150,7 @@ class ModelRunner:
         width = max(self.tables.width[rows].max(initial=1), 1)
         host = HostPlan.pack(q, c, self.tables.table[rows, :width], p, self.model.device, input_ids=ids,
                              input_src=src, **opts)
-        buf = host.upload()
+        buf = host.upload(staging=self.staging)
         if src is not None:
             _read_pending(host, buf, previous[0])
         plan = host.derive(buf)

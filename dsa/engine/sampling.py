@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dsa.model.staging import PinnedBuffers
+
 MAX_LOGPROBS = 20
 _M32 = 0xFFFFFFFF
 
@@ -182,6 +184,7 @@ class Sampler:
     def __init__(self, vocab_size: int, device):
         self.device = torch.device(device)
         self.vocab_hash = hash32(torch.arange(vocab_size, dtype=torch.int64, device=self.device))
+        self.staging = PinnedBuffers(self.device, torch.float64)  # the sampled rows, on their way down
 
     def __call__(self, logits: torch.Tensor, params: list, seeds: list, positions: list) -> tuple:
         """:meth:`launch`, then wait: ``(tokens: list[int], logprobs: list[Logprob | None])``."""
@@ -209,28 +212,36 @@ class Sampler:
             top = lp.topk(n, dim=-1)
             packed = torch.cat([packed, lp.gather(1, tokens[:, None]).double(), top.values.double(),
                                 top.indices.double()], dim=1)
-        return PendingSample(tokens, packed, params, n)
+        return PendingSample(tokens, packed, params, n, self.staging)
 
 
 class PendingSample:
     """A step's sampled tokens on their way to the host: ``tokens`` on the device now, the host
-    lists from :meth:`result` (which waits for the copy alone, not for later work on the GPU)."""
+    lists from :meth:`result` (which waits for the copy alone, not for later work on the GPU).
+    On CUDA the copy lands in a buffer of ``staging``, held until the result is read (or this
+    object is dropped unread)."""
 
-    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, params: list, n: int | None):
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, params: list, n: int | None,
+                 staging: PinnedBuffers):
         self.tokens, self.params, self.n = tokens, params, n
+        self._staging = self._slot = self._event = self._rows = None
         if packed.device.type == "cuda":
-            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._staging, self._slot = staging, staging.take(packed.numel())
+            self._host = self._slot.buffer[:packed.numel()].view(packed.shape)
             self._host.copy_(packed, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host, self._event = packed, None
+            self._host = packed
 
     def result(self) -> tuple:
         """``(tokens: list[int], logprobs: list[Logprob | None])``."""
-        if self._event is not None:
-            self._event.synchronize()
-        rows = self._host.tolist()
+        if self._rows is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._rows = self._host.tolist()
+            self._release()
+        rows = self._rows
         if self.n is None:
             return [int(r[0]) for r in rows], [None] * len(rows)
         n, out = self.n, []
@@ -239,3 +250,13 @@ class PendingSample:
             out.append(None if k is None else
                        Logprob(int(row[0]), row[1], [(int(i), x) for x, i in zip(row[2:2 + k], row[2 + n:2 + n + k])]))
         return [int(r[0]) for r in rows], out
+
+    def _release(self) -> None:
+        if self._slot is not None:
+            self._staging.give_back(self._slot, copied=False)  # read (or never to be read)
+            self._slot = None
+
+    def __del__(self):  # a step dropped unread: its copy may still run, so wait for it first
+        if self._slot is not None:
+            self._event.synchronize()
+            self._release()

@@ -12,7 +12,8 @@ chooses only among implementations of that function:
 - dense prefill rows take up-projected MHA (SDPA) or the absorbed kernel (``Dispatch``).
 
 The host facts (lengths, block ids, token ids) are packed into one int32 buffer and copied to the
-device in one transfer (pinned, non-blocking); every tensor of the plan is a view of it or is
+device in one transfer (pinned, non-blocking; an engine's runner packs into persistent pinned
+buffers, :mod:`dsa.model.staging`); every tensor of the plan is a view of it or is
 derived from it on the device, so building a plan never waits for the device. A decode-only plan
 can be padded to a bucket of rows and written into a fixed buffer (``out``): the tensors a CUDA
 graph captured are then refilled in place.
@@ -45,15 +46,26 @@ class _Packer:
         self.size += a.size
         return self.size - a.size, a.size if shape is None else shape
 
-    def upload(self, device, out: torch.Tensor | None = None) -> torch.Tensor:
-        host = torch.from_numpy(np.concatenate(self.parts) if self.parts else np.zeros(0, np.int32))
-        if device.type == "cuda":
-            host = host.pin_memory()
-        if out is None:
-            return host.to(device, non_blocking=True)
-        if out.numel() < self.size:
+    def upload(self, device, out: torch.Tensor | None = None, staging=None) -> torch.Tensor:
+        if out is not None and out.numel() < self.size:
             raise ValueError(f"out: the plan needs {self.size} int32 entries, the buffer holds {out.numel()}")
-        out[:self.size].copy_(host, non_blocking=True)
+        slot = None
+        if staging is not None and (device.type == "cuda" or out is not None):  # (on CPU, without out the
+            # plan's tensors are views of the host array, which a staging buffer reused next step cannot be)
+            slot = staging.take(self.size)
+            host = slot.buffer[:self.size]
+            if self.parts:
+                np.concatenate(self.parts, out=host.numpy())
+        else:
+            host = torch.from_numpy(np.concatenate(self.parts) if self.parts else np.zeros(0, np.int32))
+            if device.type == "cuda":
+                host = host.pin_memory()
+        if out is None:
+            out = host.to(device, non_blocking=True)
+        else:
+            out[:self.size].copy_(host, non_blocking=True)
+        if slot is not None:
+            staging.give_back(slot, copied=True)
         return out
 
 
@@ -251,9 +263,11 @@ class HostPlan:
         return cls(q, c, real, block_size, index_topk, max_seq_len, device, decode_reqs, contiguous, dense_segs,
                    sparse_segs, rows, workspace, spec, pack)
 
-    def upload(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The packed facts on the device: one non-blocking copy (into ``out`` when given)."""
-        return self.packer.upload(self.device, out)
+    def upload(self, out: torch.Tensor | None = None, staging=None) -> torch.Tensor:
+        """The packed facts on the device: one non-blocking copy (into ``out`` when given), from a
+        buffer of ``staging`` (a :class:`~dsa.model.staging.PinnedBuffers` of int32) when given, else
+        from one pinned for this copy."""
+        return self.packer.upload(self.device, out, staging)
 
     def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         """One packed entry (``ids``, ``src``, ``positions``, ...) of the uploaded buffer."""
