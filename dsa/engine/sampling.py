@@ -258,5 +258,8 @@ class PendingSample:
 
     def __del__(self):  # a step dropped unread: its copy may still run, so wait for it first
         if self._slot is not None:
-            self._event.synchronize()
+            try:
+                self._event.synchronize()
+            except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone; so is the buffer's user
+                return
             self._release()
