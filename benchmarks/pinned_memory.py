@@ -92,7 +92,8 @@ def main():
         runs.append(json.loads(out.strip().splitlines()[-1]))
         print(mode, "corrupted", runs[-1]["corrupted_samples"], "slots", runs[-1]["slots"])
         for t in runs[-1]["trace"]:
-            print(f"  step {t['step']}: resident {t['rss_mib']} MiB, host allocator reserved {t['host_reserved_mib']} MiB")
+            print(f"  step {t['step']}: resident {t['rss_mib']} MiB, "
+                  f"host allocator reserved {t['host_reserved_mib']} MiB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "command": sys.argv,

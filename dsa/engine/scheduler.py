@@ -64,7 +64,7 @@ class SchedulerOutput:
     num_rows: list  # rows each request computes: tokens[computed : computed + n]
     admitted: list = field(default_factory=list)  # Request admitted (or resumed) this step, with their blocks
     preempted: list = field(default_factory=list)  # Request that lost their blocks this step (requeued)
-    finished: list = field(default_factory=list)  # rids that left (finished, aborted, preempted) since the last step run
+    finished: list = field(default_factory=list)  # rids that left (finished, aborted, preempted) since the last run
 
     def __len__(self) -> int:
         return len(self.requests)

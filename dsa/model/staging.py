@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_SLOTS = 4  # more holders than this at once wait for a copy to finish rather than pin more memory
+MAX_SLOTS = 4  # with this many buffers, a taker waits for a given-back one's copy rather than pin another
 
 
 @dataclass
