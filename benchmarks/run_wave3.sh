@@ -16,6 +16,7 @@
 #      bench-layer DSA ops, base and new (after g, which installs the base)
 #   c: the prefill chunk budget (issue #25 item 5): for --max-batch-tokens 2048, 4096, 8192, 16384 a warm
 #      server, 64 x 8K (all done, TTFT) and 32 requests of 1K-16K prompts with 256 new tokens (TTFT, ITL)
+#   p: host memory of the step's pinned copies, pinned anew per step against dsa.model.staging (issue #26)
 #   g: speed guards: bench layer and bench engine (--quick) of .base (the branch point, unpacked by the
 #      caller from `git archive f0020de`) and of this tree, in the same run
 # Wheels of the serve extra: .whl (see the device README); every part bounded by a timeout.
@@ -118,6 +119,11 @@ if [[ $PARTS == *c* ]]; then
     load chunk$chunk-mixed 120 --num-requests 32 --concurrency 32 --input-len-range 1000 16000 --max-tokens 256
     serve_down chunk$chunk
   done
+fi
+if [[ $PARTS == *p* ]]; then
+  say "pinned copies: a buffer pinned per step against PinnedBuffers"
+  timeout 120 python3 benchmarks/pinned_memory.py --steps 4000 --json "$OUT/pinned-memory.json" 2>&1 | tail -12 \
+    | tee -a "$LOG"
 fi
 if [[ $PARTS == *g* ]]; then  # the editable install would shadow PYTHONPATH: off while the base runs
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/base ./.base 2>&1 | grep -v WARN
