@@ -326,8 +326,8 @@ def test_request_timeout_aborts_streamed_and_non_streamed(long_checkpoint, tmp_p
         assert events[-1] is None and events[-2]["choices"][0]["finish_reason"] == "abort"
         r = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": LONG, "ignore_eos": True})
         assert r.status_code == 504 and "request timeout (1 s)" in r.json()["error"]["message"]
-        r = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
-        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        r = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"  # (sampled: EOS may come)
     finally:
         assert s.stop() == 0
     assert len(re.findall(r"finish=abort \(request timeout\)", s.output())) == 2

@@ -30,7 +30,7 @@ def _prompts(vocab: int) -> dict:
 def _sampling(stop_token=None) -> dict:
     greedy = dict(temperature=0.0)
     return {"a": SamplingParams(max_tokens=8, **greedy), "b": SamplingParams(max_tokens=8, temperature=1.0, seed=7),
-            "c": SamplingParams(max_tokens=6, temperature=1.0),  # unseeded: the ranks' shared seed
+            "c": SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True),  # unseeded: the ranks' shared seed
             "d": SamplingParams(max_tokens=20, **greedy), "g": SamplingParams(max_tokens=40, **greedy),
             "h": SamplingParams(max_tokens=40, **greedy),
             "e": SamplingParams(max_tokens=8, stop_token_ids=() if stop_token is None else (stop_token,), **greedy)}
