@@ -364,6 +364,32 @@ def test_stats_line_while_busy(llm, caplog):
     assert "Avg prompt throughput: 0.0 tokens/s" in lines[1]
 
 
+def test_the_rate_window_forgets_old_steps_without_a_scrape(llm, monkeypatch):
+    """The per-step records behind dsa_generation_tokens_per_second are trimmed by the loop itself:
+    with a clock that advances 1 s per reading, 40 steps that nobody scrapes leave only the last
+    10 s of records (before, a server never scraped kept one record per step forever)."""
+    import types
+
+    from dsa.serve import engine_loop
+    ticks = itertools.count(step=1.0)
+    monkeypatch.setattr(engine_loop, "time", types.SimpleNamespace(monotonic=lambda: next(ticks),
+                                                                   perf_counter=time.perf_counter))
+    loop = EngineLoop(llm.engine)
+
+    async def one_request():
+        sub = Submission([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True), asyncio.Queue())
+        loop.submit(sub)
+        while not (await sub.deltas.get()).finished:
+            pass
+
+    loop.start()
+    try:
+        asyncio.run(one_request())
+    finally:
+        loop.stop()
+    assert 1 <= len(loop._steps) <= engine_loop.RATE_WINDOW_S + 1, len(loop._steps)
+
+
 def _in_flight(server) -> tuple:
     """A LONG stream in a thread; returns the thread and its list of events, once the first came."""
     events, started = [], threading.Event()

@@ -149,6 +149,7 @@ class EngineLoop:
                 self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
             with self._steps_lock:
                 self._steps.append((time.monotonic(), engine.stats.generated_tokens - before))
+                self._trim_steps()
             self._count_waiting()
             now = self._counters()
             if now[0] - self._window[0] >= self.stats_interval:
@@ -254,11 +255,16 @@ class EngineLoop:
     # ---- what /metrics reads ------------------------------------------------------------------
     def tokens_per_second(self) -> float:
         """Tokens generated over the last RATE_WINDOW_S seconds, per second."""
-        now = time.monotonic()
         with self._steps_lock:
-            while self._steps and self._steps[0][0] < now - RATE_WINDOW_S:
-                self._steps.popleft()
+            self._trim_steps()
             return sum(n for _, n in self._steps) / RATE_WINDOW_S
+
+    def _trim_steps(self) -> None:
+        """Forget steps older than the rate window (after each step too: a server nobody scrapes
+        would otherwise keep one record per step forever)."""
+        oldest = time.monotonic() - RATE_WINDOW_S
+        while self._steps and self._steps[0][0] < oldest:
+            self._steps.popleft()
 
     def metrics(self) -> dict:
         e = self.engine
