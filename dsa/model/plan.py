@@ -148,9 +148,9 @@ class HostPlan:
     A CUDA graph captures ``derive`` and the layers; each replay packs a new HostPlan of the same
     ``spec`` (the same bucket), uploads it into the captured buffer and replays.
     """
-    q: np.ndarray
-    c: np.ndarray
-    real: int  # requests before padding
+    query_lens: np.ndarray  # [B'] new tokens per request, padding rows included
+    context_lens: np.ndarray  # [B'] tokens already cached per request
+    num_requests: int  # B: requests before the padding rows
     block_size: int
     index_topk: int | None
     max_seq_len: int
@@ -305,10 +305,10 @@ class HostPlan:
                                            block_table[i:i + 1], zeros[:1], seq_len, block_size)[0]
             (mha if use_mha else absorbed).append(PrefillRows(i, r0, r1, pos0, block_table[i:i + 1], seq_len,
                                                               valid[r0:r1], slots))
-        real = self.real
-        return BatchPlan(tuple(int(v) for v in self.q[:real]), tuple(int(v) for v in self.c[:real]), block_size,
-                         self.max_seq_len, _view(buf, spec["ids"]) if "ids" in spec else None, positions, slot_mapping,
-                         row_to_req, block_table, seq_lens, _view(buf, spec["logits_rows"]).long(),
+        b = self.num_requests
+        return BatchPlan(tuple(int(v) for v in self.query_lens[:b]), tuple(int(v) for v in self.context_lens[:b]),
+                         block_size, self.max_seq_len, _view(buf, spec["ids"]) if "ids" in spec else None, positions,
+                         slot_mapping, row_to_req, block_table, seq_lens, _view(buf, spec["logits_rows"]).long(),
                          IndexerBatch(positions, slot_mapping, decode, prefill, zeros), decode,
                          _view(buf, spec["sparse_rows"]).long() if "sparse_rows" in spec else None, tuple(mha),
                          tuple(absorbed), dict(self.rows), self.workspace_bytes)
