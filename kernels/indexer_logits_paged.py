@@ -216,7 +216,8 @@ def _indexer_logits_paged_tma_kernel(q_ptr, w_ptr, val_desc, scale_desc, table_p
 def _paged_config(n: int, hi: int) -> tuple[int, int, int, int, int]:
     """(G, G_PAD, HI_PAD, BLOCK_S, num_warps): query tokens per program so that the dot's N dim
     G_PAD * HI_PAD stays <= 256 (one wgmma); 128-key tiles for N dims up to 64, else 64 (measured on
-    the H200: 171 vs 178 us at B=64, S=64K, N=1; 266 vs 280 us at N=2), with 4 warps while the fp32
+    the H200 in wave 2, before the TMA kernel and its sweep below: 171 vs 178 us at B=64, S=64K, N=1;
+    266 vs 280 us at N=2), with 4 warps while the fp32
     score tile fits 64 registers a thread."""
     hi_pad = max(16, triton.next_power_of_2(hi))
     g = n if triton.next_power_of_2(n) * hi_pad <= 256 else max(1, 256 // hi_pad)

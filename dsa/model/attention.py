@@ -76,8 +76,8 @@ class DSAAttention(nn.Module):
                         self.tp.check_same(f"layer {self.layer_id}", part)
 
         d, sparse_rows = plan.decode, plan.sparse_prefill_rows
-        absorbed = d is not None or sparse_rows is not None or plan.absorbed
-        q_abs = self.absorbed_query(q_nope, q_pe) if absorbed else None  # [T, H, 576]
+        any_absorbed = d is not None or sparse_rows is not None or plan.absorbed
+        q_abs = self.absorbed_query(q_nope, q_pe) if any_absorbed else None  # [T, H, 576]
         if d is not None and plan.decode_only:  # every row decodes: no gather, no scatter
             return self._out(self._up_v(self._decode(q_abs, d, latent, step.selection)))
         out = torch.full((t, h, c.v_head_dim), float("nan"), dtype=x.dtype, device=x.device)
