@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -368,8 +369,6 @@ def test_the_rate_window_forgets_old_steps_without_a_scrape(llm, monkeypatch):
     """The per-step records behind dsa_generation_tokens_per_second are trimmed by the loop itself:
     with a clock that advances 1 s per reading, 40 steps that nobody scrapes leave only the last
     10 s of records (before, a server never scraped kept one record per step forever)."""
-    import types
-
     from dsa.serve import engine_loop
     ticks = itertools.count(step=1.0)
     monkeypatch.setattr(engine_loop, "time", types.SimpleNamespace(monotonic=lambda: next(ticks),
