@@ -82,6 +82,8 @@ def main():
     p.add_argument("--mode", choices=("staging", "fresh"), help="one mode in this process (default: each in its own)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("pinned_memory.py: needs a CUDA device (pinned memory is a CUDA host allocation)")
     if args.mode:
         print(json.dumps(run(args.mode, args.steps, args.seed)))
         return
