@@ -1,0 +1,56 @@
+"""Host memory of the serving path's bookkeeping, traced by tracemalloc on CPU:
+
+- the prefix cache's per cached block (names, block maps, LRU order), over 1,000 requests shaped
+  like the H200 soak's (prompts of 16-4,096 random byte tokens, block size 64, a pool too large to
+  evict: demo-gpu's on an H200 holds ~350K blocks);
+- the engine loop's per-step record behind ``dsa_generation_tokens_per_second`` (what a server kept
+  per step when nobody read ``/metrics``, before the loop trimmed its window itself).
+
+    python benchmarks/host_bookkeeping_memory.py
+"""
+import collections
+import gc
+import random
+import time
+import tracemalloc
+
+from dsa.engine.scheduler import Request, Scheduler
+
+
+def prefix_cache() -> str:
+    random.seed(0)
+    s = Scheduler(num_blocks=360_000, block_size=64, max_batch_tokens=1 << 30)
+    base = tracemalloc.get_traced_memory()[0]
+    for i in range(1000):
+        n = random.randint(16, 4096)
+        req = Request(i, [random.randrange(256) for _ in range(n)], n, 64)
+        s.add(req)
+        out = s.schedule()
+        for r, rows in zip(out.requests, out.num_rows):
+            s.advance(r, rows)
+            s.name_blocks(r)
+        s.finish(req)
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    cached = len(s.blocks.name_of)
+    return (f"1000 requests: {cached} cached blocks, {used / 2**20:.1f} MiB traced, "
+            f"{used / cached:.0f} B per cached block")
+
+
+def rate_window(steps: int = 100_000) -> str:
+    records = collections.deque()
+    base = tracemalloc.get_traced_memory()[0]
+    for i in range(steps):  # as EngineLoop: (monotonic time, tokens the step generated)
+        records.append((time.monotonic(), i % 64))
+    used = tracemalloc.get_traced_memory()[0] - base
+    return f"rate window: {steps} step records, {used / steps:.0f} B per record"
+
+
+def main():
+    tracemalloc.start()
+    print(prefix_cache())
+    print(rate_window())
+
+
+if __name__ == "__main__":
+    main()
