@@ -138,6 +138,66 @@ def test_export_loads_everywhere(tmp_path, monkeypatch):
     assert llm.chat([{"role": "user", "content": "hi"}], dsa.SamplingParams(max_tokens=2, temperature=0))
 
 
+def test_mtp_loss_trains_the_mtp_module_and_the_model():
+    model, ids = tiny_model(), ids_batch()
+    mtp = T.new_mtp(model.config, 0, "cpu")
+    params = T.set_trainable(model, "dense", mtp)
+    assert {id(p) for p in mtp.parameters() if p.requires_grad} <= {id(p) for p in params}
+    _, _, mtp_logits = T.run_with_mtp(model, mtp, ids, "dense")
+    assert mtp_logits.shape == (2, 63, 300)
+    named = [(n, p) for n, p in T._named(model, mtp) if p.requires_grad]
+    assert not any(".indexer." in n for n, _ in named)
+    grads = torch.autograd.grad(T.mtp_loss(mtp_logits, ids), [p for _, p in named], allow_unused=True)
+    reached = {n for (n, _), g in zip(named, grads) if g is not None and g.abs().sum() > 0}
+    assert {"mtp.eh_proj.weight", "mtp.shared_head.norm.weight", "embed_tokens.weight", "lm_head.weight",
+            "layers.0.mlp.up_proj.weight"} <= reached, reached  # through h[i] into the main model too
+    loss, row = T.stage_loss(model, ids, "sparse", torch.arange(16, 64, 4), mtp)
+    assert set(row) == {"lm", "kl", "mtp"}
+    torch.testing.assert_close(loss, torch.tensor(row["lm"] + row["kl"] + T.MTP_WEIGHT * row["mtp"]))
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (576, 384), (8, 384), (130, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_fp8_block_quantization_round_trips_through_the_loader(shape):
+    from dsa.model.loading import dequantize_fp8_block
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 1, shape[1])
+    w8, scale_inv = T.quantize_fp8_block(w)
+    assert w8.dtype == torch.float8_e4m3fn and scale_inv.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    back = dequantize_fp8_block(w8, scale_inv)
+    err = ((back - w).abs() / w.abs().clamp_min(1e-6)).median()
+    assert err < 0.04, f"median relative error {err:.4f} (e4m3 keeps 3 mantissa bits)"
+
+
+def test_fp8_export_with_mtp_loads_in_dsamodel_and_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    text = tmp_path / "train.txt"
+    text.write_text(f"\n{T.EOS}\n".join(TEXT))
+    T.train_tokenizer([str(text)], 300, str(tmp_path / "tokenizer.json"))
+    config = T.model_config(300, 2, 128, 256, index_heads=4, q_lora_rank=128, intermediate_size=256)
+    model, mtp = T.new_model(config, 0, "cpu").eval(), T.new_mtp(config, 0, "cpu").eval()
+    out = T.export(model, str(tmp_path / "tokenizer.json"), str(tmp_path / "model"), mtp=mtp, fp8=True)
+    hf_config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert hf_config["num_nextn_predict_layers"] == 1
+    assert hf_config["quantization_config"]["modules_to_not_convert"] == ["kv_a_proj_with_mqa", "lm_head",
+                                                                         "weights_proj"]
+    from safetensors import safe_open
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("model.layers.0.self_attn.kv_a_proj_with_mqa.weight").dtype == torch.float32
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight", "model.layers.2.hnorm.weight",
+            "model.layers.2.shared_head.norm.weight", "model.layers.2.self_attn.indexer.wk.weight"} <= names
+    ids = ids_batch()
+    loaded = DSAModel.from_pretrained(out, dtype=torch.float32, device="cpu", indexer_precision="exact")
+    assert loaded.config.num_hidden_layers == 2  # the MTP layer is read past, not built
+    got = loaded(ids)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    cos = torch.nn.functional.cosine_similarity(got.flatten(0, 1).double(), ref.flatten(0, 1).double(), dim=-1)
+    assert cos.mean() >= 0.998, f"mean cosine {cos.mean():.5f}"  # transformers dequantizes to bf16 on CPU
+
+
 @pytest.mark.slow
 def test_script_end_to_end(tmp_path):
     """``prepare`` + ``train`` on two short texts, one step per stage: train.json, the plot, the export."""
@@ -148,17 +208,27 @@ def test_script_end_to_end(tmp_path):
     run = dict(check=True, capture_output=True, text=True, cwd=ROOT)
     subprocess.run([sys.executable, script, "prepare", "--text", str(tmp_path / "text"), "--out",
                     str(tmp_path / "data"), "--vocab", "300"], **run)
-    subprocess.run([sys.executable, script, "train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
-                    "--layers", "1", "--hidden", "128", "--index-heads", "4", "--context", "256", "--batch", "1",
-                    "--max-steps", "1", "--eval-contexts", "256", "--eval-windows", "1", "--kl-queries", "8",
-                    "--recall-queries", "4", "--prompts", "The", "--sample-tokens", "2", "--heldout-every", "1", "--device", "cpu"], **run)
+    args = [sys.executable, script, "train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
+            "--layers", "1", "--hidden", "128", "--q-lora-rank", "128", "--intermediate-size", "256", "--index-heads",
+            "4", "--index-topk", "32", "--context", "128", "--batch", "1", "--long-context", "256", "--long-batch", "1",
+            "--max-steps", "1", "--eval-contexts", "128,256", "--eval-windows", "1", "--kl-queries", "8",
+            "--recall-queries", "4", "--prompts", "The", "--sample-tokens", "2", "--heldout-every", "1", "--device", "cpu"]
+    subprocess.run(args, **run)
     record = json.loads((tmp_path / "out" / "train.json").read_text())
     assert record["command"].endswith("--device cpu")
-    assert [record["stages"][s]["steps"] for s in T.STAGES] == [1, 1, 1]
-    assert all("heldout" in record["stages"][s]["curve"][0] for s in T.STAGES)
-    assert set(record["eval"]["sparse"]["256"]) >= {"dense", "sparse", "k"}
+    stages = ("dense", "long", "warmup", "sparse")
+    assert [record["stages"][s]["steps"] for s in stages] == [1, 1, 1, 1]
+    assert [record["stages"][s]["context"] for s in stages] == [128, 256, 256, 256]
+    assert all("heldout" in record["stages"][s]["curve"][0] for s in stages)
+    assert set(record["eval"]["sparse"]["256"]) >= {"dense", "sparse", "k", "mtp"}
+    assert record["eval"]["sparse"]["256"]["k"] == 32 and record["config"]["num_nextn_predict_layers"] == 1
     assert 0 < record["recall"]["256"]["mean"]["recall"] <= 1.0 + 1e-6
     assert (tmp_path / "out" / "train_loss.png").exists() and (tmp_path / "out" / "model" / "tokenizer.json").exists()
+    config = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    resumed = subprocess.run(args + ["--resume"], **run)  # every stage done: straight to the export
+    assert "resumed after ['dense', 'long', 'warmup', 'sparse']" in resumed.stdout
+    assert json.loads((tmp_path / "out" / "train.json").read_text())["resumed_after"] == list(stages)
     bad = subprocess.run([sys.executable, script, "train", "--data", str(tmp_path / "nowhere")], capture_output=True,
                          text=True, cwd=ROOT)
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("--data: no data_manifest.json")

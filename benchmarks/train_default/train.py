@@ -10,12 +10,17 @@ writes ``tokenizer.json``, the token ids of every file (``train/*.npy``, ``heldo
 ``--out``: about 20 MB, small enough to carry to a machine without network.
 
 ``train`` checks the manifest's hashes, builds the model (:func:`dsa.quality.train.model_config`:
-``--layers`` x ``--hidden``), runs each stage for its ``--*-minutes`` (or ``--max-steps``) with a cosine
-schedule over the budget, evaluates held-out loss dense vs sparse (k = context / 16, every layer) at each
-``--eval-contexts`` after every stage, the indexer's attention-mass recall at the end, exports the
-V3.2 HF layout to ``OUT/model``, checks it through ``DSAModel.from_pretrained`` (the inference kernels)
-and writes greedy samples through ``dsa.LLM``. Results: ``OUT/train.json`` (with the command) and
-``OUT/train_loss.png``. See :mod:`dsa.quality.train` for what each stage trains.
+``--layers`` x ``--hidden``, ``--index-topk`` fixed, RoPE up to ``--long-context``) and its MTP module,
+runs each stage for its ``--*-minutes`` (or ``--max-steps``) with a cosine schedule over the budget:
+``dense`` (LM, dense attention, ``--context``), ``long`` (the same at ``--long-context``), ``warmup``
+(the indexers alone, KL to the dense attention) and ``sparse`` (everything, top-k attention), the last
+three at ``--long-context``. After every stage it evaluates held-out loss dense vs sparse and the MTP
+module at each ``--eval-contexts`` and saves ``OUT/checkpoint.pt`` (bf16 weights, the record so far):
+``--resume`` continues after the last finished stage. At the end: the indexer's attention-mass recall,
+the export (V3.2 HF layout, FP8 block weights, the MTP module as layer ``--layers``) to ``OUT/model``,
+its check through ``DSAModel.from_pretrained`` (the inference kernels) and greedy samples through
+``dsa.LLM``. Results: ``OUT/train.json`` (with the command) and ``OUT/train_loss.png``. See
+:mod:`dsa.quality.train` for what each stage trains.
 """
 import argparse
 import glob
@@ -45,7 +50,7 @@ def sha256(path: str) -> str:
 
 # ---- prepare ------------------------------------------------------------------------------------
 def prepare(args) -> int:
-    from dsa.quality.train import tokenize_file, train_tokenizer
+    from dsa.quality.train import EOS, tokenize_file, train_tokenizer
 
     if not glob.glob(os.path.join(args.text, "train", "*.txt")):
         sys.path.insert(0, os.path.join(ROOT, "benchmarks", "quality"))
@@ -57,8 +62,15 @@ def prepare(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     tok_file = os.path.join(args.out, "tokenizer.json")
     t0 = time.perf_counter()
-    tok = train_tokenizer(texts["train"], args.vocab, tok_file)
-    print(f"tokenizer: {tok.get_vocab_size()} tokens in {time.perf_counter() - t0:.0f} s")
+    if args.tokenizer:  # the ids of a tokenizer trained before (e.g. on another machine), to check them
+        from tokenizers import Tokenizer
+        if os.path.abspath(args.tokenizer) != os.path.abspath(tok_file):
+            import shutil
+            shutil.copyfile(args.tokenizer, tok_file)
+        tok = Tokenizer.from_file(tok_file)
+    else:
+        tok = train_tokenizer(texts["train"], args.vocab, tok_file)
+    print(f"tokenizer: {tok.get_vocab_size()} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
     files = {}
     for split, paths in texts.items():
         os.makedirs(os.path.join(args.out, split), exist_ok=True)
@@ -66,15 +78,18 @@ def prepare(args) -> int:
             name = f"{split}/{os.path.splitext(os.path.basename(path))[0]}.npy"
             ids = tokenize_file(path, tok)
             np.save(os.path.join(args.out, name), ids)
+            with open(path, encoding="utf-8") as f:  # the bytes the ids encode (separators left out)
+                text_bytes = sum(len(d.strip().encode()) for d in f.read().split(EOS) if d.strip())
             files[name] = {"tokens": int(len(ids)), "sha256": sha256(os.path.join(args.out, name)),
-                           "text": os.path.relpath(path, args.text), "text_sha256": sha256(path)}
-            print(f"{name}: {len(ids)} tokens")
+                           "text": os.path.relpath(path, args.text), "text_sha256": sha256(path),
+                           "text_bytes": text_bytes}
+            print(f"{name}: {len(ids)} tokens, {text_bytes / len(ids):.2f} bytes a token", flush=True)
     fetched = os.path.join(args.text, "manifest.json")
     manifest = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                 "sources": json.load(open(fetched)) if os.path.exists(fetched) else None,
                 "tokenizer": {"file": "tokenizer.json", "vocab_size": tok.get_vocab_size(), "sha256": sha256(tok_file),
                               "trained_on": "train"},
-                "split": {"train": "SOTU 1790-1989, Python 3.11 docs, Brown corpus",
+                "split": {"train": sorted(os.path.relpath(p, args.text) for p in texts["train"]),
                           "heldout": "Moby-Dick, SOTU 1990-2016, Linux 6.1 docs (never trained on)"},
                 "files": files}
     with open(os.path.join(args.out, "data_manifest.json"), "w") as f:
@@ -106,21 +121,36 @@ def batch(streams: dict, b: int, t: int, g: torch.Generator, device) -> torch.Te
     return torch.stack([sample_window(streams, t, g) for _ in range(b)]).to(device)
 
 
-def train_stage(model, stage: str, streams: dict, args, g: torch.Generator, heldout_windows=()) -> dict:
+STAGES = ("dense", "long", "warmup", "sparse")  # "long" trains as "dense" does, at --long-context
+COLORS = {"dense": "C0", "long": "C4", "warmup": "C2", "sparse": "C1"}
+
+
+def stage_shape(stage: str, args) -> tuple:
+    """``(context, batch)`` of a stage."""
+    return (args.context, args.batch) if stage == "dense" else (args.long_context, args.long_batch)
+
+
+def train_stage(model, mtp, stage: str, streams: dict, args, g: torch.Generator, heldout_windows=()) -> dict:
     """One stage for ``--{stage}-minutes`` or ``--max-steps``; AdamW, linear warm-up, cosine to 10% over
     the budget (time or steps, whichever runs out first); every ``--heldout-every`` steps the loss on
-    ``heldout_windows`` (dense attention in stage a, sparse after) joins the curve."""
+    ``heldout_windows`` (dense attention before the sparse stage, sparse in it) joins the curve."""
     from dsa.quality.fit import sample_queries
     from dsa.quality.train import autocast_ctx, heldout_loss, indexer_params, model_params, set_trainable, stage_loss
 
-    params = set_trainable(model, stage)
-    groups = {"dense": [(model_params(model), args.lr)], "warmup": [(indexer_params(model), args.indexer_lr)],
-              "sparse": [(model_params(model), args.sparse_lr), (indexer_params(model), args.indexer_lr)]}[stage]
-    opt = torch.optim.AdamW([{"params": p, "lr": lr, "base_lr": lr} for p, lr in groups], betas=(0.9, 0.95),
+    mode = "dense" if stage == "long" else stage
+    params = set_trainable(model, mode, mtp)
+    groups = {"dense": [(model_params(model, mtp), args.lr)], "long": [(model_params(model, mtp), args.long_lr)],
+              "warmup": [(indexer_params(model, mtp), args.indexer_lr)],
+              "sparse": [(model_params(model, mtp), args.sparse_lr), (indexer_params(model, mtp), args.indexer_lr)]}
+    opt = torch.optim.AdamW([{"params": p, "lr": lr, "base_lr": lr} for p, lr in groups[stage]], betas=(0.9, 0.95),
                             weight_decay=args.weight_decay)
     budget = 60 * getattr(args, f"{stage}_minutes")
+    context, batch_size = stage_shape(stage, args)
     k = model.config.index_topk
+    if model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(model.device)
     curve, t0, step = [], time.perf_counter(), 0
+    print(f"[{stage}] {budget:.0f} s at {context} tokens x {batch_size}", flush=True)
     while True:
         progress = max((time.perf_counter() - t0) / budget if budget > 0 else 1.0,
                        step / args.max_steps if args.max_steps else 0.0)
@@ -129,10 +159,10 @@ def train_stage(model, stage: str, streams: dict, args, g: torch.Generator, held
         factor = min(1.0, (step + 1) / args.lr_warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
         for group in opt.param_groups:
             group["lr"] = group["base_lr"] * factor
-        ids = batch(streams, args.batch, args.context, g, model.device)
-        rows = sample_queries(args.context, args.kl_queries, k, g).to(model.device)
+        ids = batch(streams, batch_size, context, g, model.device)
+        rows = sample_queries(context, args.kl_queries, k, g).to(model.device)
         with autocast_ctx(model.device, args.amp):
-            loss, row = stage_loss(model, ids, stage, rows)
+            loss, row = stage_loss(model, ids, mode, rows, mtp)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -147,43 +177,58 @@ def train_stage(model, stage: str, streams: dict, args, g: torch.Generator, held
         step += 1
         if heldout_windows and step % args.heldout_every == 0:  # overfitting shows here first
             model.eval()
-            row["heldout"] = round(heldout_loss(model, heldout_windows, "dense" if stage == "dense" else "sparse",
+            row["heldout"] = round(heldout_loss(model, heldout_windows, "sparse" if stage == "sparse" else "dense",
                                                 autocast=args.amp), 5)
             model.train()
-    return {"steps": step, "seconds": round(time.perf_counter() - t0, 1),
-            "tokens": step * args.batch * args.context, "curve": curve}
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(model.device) / 2**30 if model.device.type == "cuda" else None
+    print(f"[{stage}] {step} steps in {seconds:.0f} s, {step * batch_size * context / seconds:.0f} tokens/s, peak "
+          f"{peak} GiB", flush=True)
+    return {"steps": step, "seconds": round(seconds, 1), "context": context, "batch": batch_size,
+            "tokens": step * batch_size * context, "tokens_per_second": round(step * batch_size * context / seconds),
+            "peak_allocated_gib": peak and round(peak, 2), "curve": curve}
 
 
-def evaluate(model, heldout: dict, args) -> dict:
-    """Held-out loss [nats / token] dense and sparse (k = context / 16) at each eval context."""
+def evaluate(model, mtp, heldout: dict, args) -> dict:
+    """At each eval context: held-out loss [nats / token] dense and sparse (``index_topk`` fixed) and the
+    MTP module's loss, accuracy and greedy acceptance (sparse)."""
     from dsa.quality.corpus import windows
-    from dsa.quality.train import heldout_loss
+    from dsa.quality.train import heldout_loss, mtp_eval
 
     out = {}
     for ctx in args.eval_contexts:
-        w = [x for ids in heldout.values() for x in windows(ids, ctx, max(1, args.eval_windows // len(heldout)))]
-        out[str(ctx)] = {"windows": len(w), "k": ctx // 16,
+        w = eval_windows(heldout, ctx, args.eval_windows)
+        out[str(ctx)] = {"windows": len(w), "k": model.config.index_topk,
                          "dense": round(heldout_loss(model, w, "dense", autocast=args.amp), 5),
-                         "sparse": round(heldout_loss(model, w, "sparse", ctx // 16, autocast=args.amp), 5)}
+                         "sparse": round(heldout_loss(model, w, "sparse", autocast=args.amp), 5)}
+        if mtp is not None:
+            out[str(ctx)]["mtp"] = {k: round(v, 5) for k, v in mtp_eval(model, mtp, w, "sparse",
+                                                                          autocast=args.amp).items()}
     print(f"held-out: {out}", flush=True)
     return out
 
 
-def served_check(export_dir: str, heldout: dict, args) -> dict:
-    """The export through ``DSAModel.from_pretrained`` (the served path: bf16 on CUDA, fp32 on CPU, the
-    FP8 indexer) with ``index_topk = context / 16``: held-out loss at each eval context."""
-    from dsa.model import DSAModel
+def eval_windows(heldout: dict, ctx: int, count: int) -> list:
+    """``count`` windows of ``ctx`` tokens spread evenly over the held-out files (each file its share)."""
     from dsa.quality.corpus import windows
+    return [x for ids in heldout.values() for x in windows(ids, ctx, max(1, count // len(heldout)))]
+
+
+def served_check(export_dir: str, heldout: dict, args) -> dict:
+    """The export through ``DSAModel.from_pretrained`` (the served path: its FP8 block weights dequantized
+    to bf16 on CUDA, fp32 on CPU, the FP8 indexer, ``index_topk`` as trained): held-out loss at each eval
+    context."""
+    from dsa.model import DSAModel
     from dsa.quality.train import lm_loss
 
     out = {}
+    model = DSAModel.from_pretrained(export_dir, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
+                                     device=args.device)
     for ctx in args.eval_contexts:
-        model = DSAModel.from_pretrained(export_dir, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
-                                         device=args.device, index_topk=ctx // 16)
-        w = [x for ids in heldout.values() for x in windows(ids, ctx, max(1, args.eval_windows // len(heldout)))]
+        w = eval_windows(heldout, ctx, args.eval_windows)
         loss = sum(float(lm_loss(model(x[None].to(model.device)), x[None].to(model.device))) for x in w) / len(w)
         out[str(ctx)] = {"dtype": str(model.dtype), "indexer_precision": model.config.indexer_precision,
-                         "sparse": round(loss, 5)}
+                         "k": model.config.index_topk, "sparse": round(loss, 5)}
     print(f"served path: {out}", flush=True)
     return out
 
@@ -201,7 +246,7 @@ def plot(record: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    offset, colors = 0, {"dense": "C0", "warmup": "C2", "sparse": "C1"}
+    offset, colors = 0, COLORS
     ctx = str(max(int(c) for c in record["eval"]["dense"]))
     for stage, rec in record["stages"].items():
         steps = [offset + r["step"] for r in rec["curve"]]
@@ -210,7 +255,8 @@ def plot(record: dict, path: str) -> str:
             if ys:
                 win = max(1, len(ys) // 50)
                 smooth = np.convolve(ys, np.ones(win) / win, mode="valid")
-                axis.plot(steps[win - 1:], smooth, color=colors[stage], label=f"{stage} (train, mean of {win} steps)")
+                axis.plot(steps[win - 1:], smooth, color=colors[stage],
+                          label=f"{stage}, {rec['context']} tokens (train, mean of {win} steps)")
         probe = [(offset + r["step"], r["heldout"]) for r in rec["curve"] if "heldout" in r]
         if probe:
             ax.plot(*zip(*probe), "--", color=colors[stage], label=f"{stage} (held-out probe)")
@@ -228,58 +274,94 @@ def plot(record: dict, path: str) -> str:
            title="Indexer KL: warm-up (all causal keys) and sparse (selected set)")
     for axis in (ax, bx):
         axis.legend(fontsize=8)
-    fig.suptitle(f"{record['params']['total'] / 1e6:.1f}M-parameter DSA model, {record['args']['context']}-token "
-                 f"context")
+    fig.suptitle(f"{record['params']['total'] / 1e6:.1f}M-parameter DSA model (+ MTP module), trained at "
+                 f"{record['args']['context']} then {record['args']['long_context']} tokens, k = "
+                 f"{record['config']['index_topk']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+def save_checkpoint(path: str, model, mtp, record: dict, g: torch.Generator) -> None:
+    """bf16 weights of the model and the MTP module, the record so far and the sampler's state, written
+    atomically (a fresh machine restarts from it with ``--resume``)."""
+    state = {"model": {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()},
+             "mtp": {k: v.to(torch.bfloat16) for k, v in mtp.state_dict().items()},
+             "record": record, "generator": g.get_state()}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 def train(args) -> int:
-    from dsa.quality.train import STAGES, export, hf_config, indexer_params, model_config, new_model, selection_recall
-    from dsa.quality.corpus import windows
+    from dsa.quality.train import export, hf_config, indexer_params, model_config, new_model, new_mtp, selection_recall
 
     manifest, streams, heldout = load_data(args.data)
     for ctx in args.eval_contexts:
-        if ctx > args.context or ctx <= ctx // 16:
-            raise SystemExit(f"--eval-contexts: {ctx} is outside (16, --context = {args.context}]")
+        if ctx > args.long_context or ctx <= args.index_topk:
+            raise SystemExit(f"--eval-contexts: {ctx} is outside (--index-topk = {args.index_topk}, --long-context "
+                             f"= {args.long_context}]")
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    else:
+        print("warning: training on CPU; this pipeline is sized for one H200 (minutes there are hours here)",
+              file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
     g = torch.Generator().manual_seed(args.seed)
-    config = model_config(manifest["tokenizer"]["vocab_size"], args.layers, args.hidden, args.context,
-                          args.index_heads)
+    config = model_config(manifest["tokenizer"]["vocab_size"], args.layers, args.hidden, args.long_context,
+                          args.index_heads, args.index_topk, args.q_lora_rank, args.intermediate_size)
     model = new_model(config, args.seed, args.device)
+    mtp = new_mtp(config, args.seed, args.device)
+    train_tokens = sum(len(v) for v in streams.values())
     record = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "args": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(args).items() if k != "func"},
               "device": device_name(args.device),
-              "config": hf_config(config, torch.float32),
+              "config": hf_config(config, torch.float32, 1),
               "params": {"total": sum(p.numel() for p in model.parameters()),
-                         "indexer": sum(p.numel() for p in indexer_params(model))},
-              "data": {"manifest": os.path.join(args.data, "data_manifest.json"),
-                       "train_tokens": sum(len(v) for v in streams.values()),
+                         "indexer": sum(p.numel() for p in indexer_params(model)),
+                         "mtp": sum(p.numel() for p in mtp.parameters())},
+              "data": {"manifest": os.path.join(args.data, "data_manifest.json"), "train_tokens": train_tokens,
                        "heldout_tokens": sum(len(v) for v in heldout.values()),
+                       "heldout_bytes": {k: manifest["files"][k].get("text_bytes") for k in heldout},
                        "files": {k: v["sha256"] for k, v in manifest["files"].items()}},
               "stages": {}, "eval": {}}
-    print(f"model: {record['params']}, train tokens: {record['data']['train_tokens']}", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    probe = [x for ids in heldout.values() for x in windows(ids, args.context, 2)]
+    ckpt = os.path.join(args.out, "checkpoint.pt")
+    if args.resume:
+        if not os.path.exists(ckpt):
+            raise SystemExit(f"--resume: no {ckpt}")
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        model.load_state_dict({k: v.float() for k, v in state["model"].items()})
+        mtp.load_state_dict({k: v.float() for k, v in state["mtp"].items()})
+        g.set_state(state["generator"])
+        record["stages"], record["eval"] = state["record"]["stages"], state["record"]["eval"]
+        record["resumed_after"] = list(record["stages"])
+        print(f"resumed after {list(record['stages'])}", flush=True)
+    print(f"model: {record['params']}, train tokens: {train_tokens}", flush=True)
+    probe = eval_windows(heldout, args.context, 6)
     for stage in STAGES:
-        record["stages"][stage] = train_stage(model, stage, streams, args, g, probe)
-        model.eval()
-        record["eval"][stage] = evaluate(model, heldout, args)
-        model.train()
-    model.eval()
+        if stage in record["stages"]:
+            continue
+        record["stages"][stage] = rec = train_stage(model, mtp, stage, streams, args, g, probe)
+        if stage in ("dense", "long"):
+            rec["passes"] = round(rec["tokens"] / train_tokens, 2)  # how often the stage saw each train token
+        model.eval(), mtp.eval()
+        record["eval"][stage] = evaluate(model, mtp, heldout, args)
+        model.train(), mtp.train()
+        save_checkpoint(ckpt, model, mtp, record, g)
+    record["passes"] = round(sum(record["stages"][s]["tokens"] for s in ("dense", "long")) / train_tokens, 2)
+    model.eval(), mtp.eval()
     record["recall"] = {}
     for ctx in args.eval_contexts:
-        w = [x for ids in heldout.values() for x in windows(ids, ctx, max(1, args.eval_windows // len(heldout)))]
-        record["recall"][str(ctx)] = selection_recall(model, w, ctx // 16, args.recall_queries, autocast=args.amp)
+        w = eval_windows(heldout, ctx, args.eval_windows)
+        record["recall"][str(ctx)] = selection_recall(model, w, config.index_topk, args.recall_queries,
+                                                      autocast=args.amp)
         print(f"recall at {ctx}: {record['recall'][str(ctx)]['mean']}", flush=True)
     export_dir = os.path.join(args.out, "model")
-    export(model, os.path.join(args.data, "tokenizer.json"), export_dir,
+    export(model, os.path.join(args.data, "tokenizer.json"), export_dir, dtype=torch.bfloat16, mtp=mtp, fp8=True,
            meta={"trained_by": "benchmarks/train_default/train.py", "seed": str(args.seed)})
-    record["export"] = export_dir
+    record["export"] = {"dir": export_dir, "bytes": {f: os.path.getsize(os.path.join(export_dir, f))
+                                                     for f in sorted(os.listdir(export_dir))}}
     record["served"] = served_check(export_dir, heldout, args)
     record["samples"] = samples(export_dir, args)
     for s in record["samples"]:
@@ -302,34 +384,44 @@ def main(argv=None) -> int:
                     help="fetched text (fetch_text.py runs when train/*.txt is missing; default: %(default)s)")
     pp.add_argument("--out", default=DATA, help="tokenizer, token ids, manifest (default: %(default)s)")
     pp.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size (default: %(default)s)")
+    pp.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
     pp.set_defaults(func=prepare)
     pt = sub.add_parser("train", help="the three stages, evaluation, export")
     pt.add_argument("--data", default=DATA, help="prepare's output (default: %(default)s)")
     pt.add_argument("--out", default=os.path.join(ROOT, "out", "train_default"))
-    pt.add_argument("--layers", type=int, default=6)
+    pt.add_argument("--layers", type=int, default=5, help="decoder layers, the MTP module besides (default: %(default)s)")
     pt.add_argument("--hidden", type=int, default=384,
                     help="multiple of 64; heads = hidden / 64 (default: %(default)s)")
+    pt.add_argument("--q-lora-rank", type=int, default=256, help="(default: %(default)s)")
+    pt.add_argument("--intermediate-size", type=int, default=1024, help="MLP width (default: %(default)s)")
     pt.add_argument("--index-heads", type=int, default=8)
-    pt.add_argument("--context", type=int, default=4096, help="training length and max_position_embeddings; "
-                    "index_topk = context / 16 (default: %(default)s)")
-    pt.add_argument("--batch", type=int, default=16, help="sequences per step (default: %(default)s)")
-    pt.add_argument("--dense-minutes", type=float, default=8.0)
+    pt.add_argument("--index-topk", type=int, default=512,
+                    help="fixed for every context: 1/32 of a 16K one (default: %(default)s)")
+    pt.add_argument("--context", type=int, default=4096, help="dense stage's length (default: %(default)s)")
+    pt.add_argument("--batch", type=int, default=16, help="dense stage's sequences per step (default: %(default)s)")
+    pt.add_argument("--long-context", type=int, default=16384,
+                    help="long, warm-up and sparse stages' length, and max_position_embeddings (default: %(default)s)")
+    pt.add_argument("--long-batch", type=int, default=4, help="their sequences per step (default: %(default)s)")
+    pt.add_argument("--dense-minutes", type=float, default=9.0)
+    pt.add_argument("--long-minutes", type=float, default=1.5)
     pt.add_argument("--warmup-minutes", type=float, default=1.5)
-    pt.add_argument("--sparse-minutes", type=float, default=4.5)
+    pt.add_argument("--sparse-minutes", type=float, default=3.5)
     pt.add_argument("--max-steps", type=int, default=None, help="also stop each stage after this many steps")
     pt.add_argument("--lr", type=float, default=2e-3, help="dense stage peak (default: %(default)s)")
+    pt.add_argument("--long-lr", type=float, default=6e-4, help="long stage peak (default: %(default)s)")
     pt.add_argument("--indexer-lr", type=float, default=1e-3, help="indexer, stages b and c (default: %(default)s)")
     pt.add_argument("--sparse-lr", type=float, default=3e-4, help="model, stage c (default: %(default)s)")
     pt.add_argument("--weight-decay", type=float, default=0.1)
     pt.add_argument("--lr-warmup", type=int, default=50, help="steps of linear LR warm-up per stage")
     pt.add_argument("--kl-queries", type=int, default=256, help="query rows per step for the KL terms")
-    pt.add_argument("--eval-contexts", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 4096])
-    pt.add_argument("--eval-windows", type=int, default=24, help="held-out windows per context (default: %(default)s)")
+    pt.add_argument("--eval-contexts", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
+    pt.add_argument("--eval-windows", type=int, default=12, help="held-out windows per context (default: %(default)s)")
     pt.add_argument("--recall-queries", type=int, default=128, help="query rows per window for recall")
     pt.add_argument("--prompts", nargs="+", default=PROMPTS)
     pt.add_argument("--sample-tokens", type=int, default=48)
     pt.add_argument("--seed", type=int, default=0)
     pt.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    pt.add_argument("--resume", action="store_true", help="continue after the last stage in OUT/checkpoint.pt")
     pt.add_argument("--log-every", type=int, default=20)
     pt.add_argument("--heldout-every", type=int, default=250,
                     help="steps between held-out probes (2 windows per held-out file; default: %(default)s)")
@@ -337,7 +429,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.command == "train":
         args.amp = torch.bfloat16 if args.device == "cuda" else None
-        for name in ("layers", "batch", "kl_queries", "eval_windows", "log_every", "lr_warmup", "heldout_every"):
+        for name in ("layers", "batch", "long_batch", "kl_queries", "eval_windows", "log_every", "lr_warmup",
+                     "heldout_every"):
             if getattr(args, name) < 1:
                 raise SystemExit(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
     return args.func(args)

@@ -60,6 +60,14 @@ def warmup_kl(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     return kl.sum(-1).mean()
 
 
+def selected_set_kl(logits: torch.Tensor, probs: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3.2's sparse-stage indexer loss, mean over rows: ``KL(probs' || softmax(logits'))`` over
+    each row's selected keys only, both renormalized there (``logits [R, S]`` the indexer's, ``probs
+    [R, S]`` the attention restricted to ``selected [R, S]`` bool, so its rows already sum to 1 over it).
+    The sparse stage of the trained default (:mod:`dsa.quality.train`) trains on this."""
+    return warmup_kl(logits.masked_fill(~selected, float("-inf")), probs)
+
+
 # ---- selections ----------------------------------------------------------------------------
 def select(scores: torch.Tensor, queries: torch.Tensor, k: int) -> torch.Tensor:
     """``[Q, k]`` int32: the ``k`` best of ``scores[j, 0 : queries[j] + 1]`` (all of them when they fit), -1 padded."""

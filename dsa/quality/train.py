@@ -21,6 +21,13 @@ Stages (:func:`stage_loss`):
     sparse (c): attention on the top-k; each indexer trained on the KL over its selected set with its
                 input detached (no indexer gradient reaches the model); the model on the LM loss
 
+The multi-token-prediction module (:class:`MTP`, DeepSeek-V3's layout, one of them) trains beside the LM
+loss in every stage that trains the model (``MTP_WEIGHT`` times its loss on the token after next): at
+position ``i`` it projects ``[enorm(embed(t[i + 1])), hnorm(h[i])]`` (``h`` the main model's output after
+its final norm, what vLLM and SGLang hand a draft model) through ``eh_proj``, runs one decoder layer (with
+its own indexer) at position ``i``, and predicts ``t[i + 2]`` through its ``shared_head.norm`` and the
+main model's ``lm_head``.
+
 The KL terms use ``kl_rows`` query positions (every sequence of the batch at the same positions) to
 bound the ``[B, Q, HI, S]`` temporaries. :func:`export` writes the V3.2 HF layout.
 """
@@ -29,31 +36,39 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dsa.config import DSAConfig
 from dsa.kernels.indexer_query_prep import weight_scale
-from dsa.quality.selection import warmup_kl
+from dsa.model.layers import RMSNorm
+from dsa.quality.selection import selected_set_kl, warmup_kl
 
 STAGES = ("dense", "warmup", "sparse")
+MTP_WEIGHT = 0.3  # DeepSeek-V3's MTP loss weight (its first 10T tokens)
 LOGIT_CHUNK_ELEMS = 1 << 27  # [B, C, HI, S] elements per no-grad indexer chunk
 BOS, EOS = "<|bos|>", "<|endoftext|>"  # ids 0 and 1 of the trained tokenizer (V3.2's ids)
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-def model_config(vocab_size: int, layers: int, hidden: int, context: int, index_heads: int = 8) -> DSAConfig:
+def model_config(vocab_size: int, layers: int, hidden: int, context: int, index_heads: int = 8,
+                 index_topk: int | None = None, q_lora_rank: int | None = None,
+                 intermediate_size: int | None = None) -> DSAConfig:
     """A small V3.2-shaped config: the real latent (512 + 64) and indexer key width (128), 64-wide heads
-    (``hidden / 64`` of them), ``q_lora_rank = hidden / 2``, a SwiGLU MLP of ``8/3 hidden`` (rounded to 64),
-    plain RoPE up to ``context``, ``index_topk = context / 16``; BOS 0, EOS 1."""
+    (``hidden / 64`` of them), ``q_lora_rank`` (default ``hidden / 2``), a SwiGLU MLP of ``intermediate_size``
+    (default ``8/3 hidden`` rounded to 64), plain RoPE up to ``context``, ``index_topk`` (default
+    ``context / 16``); BOS 0, EOS 1."""
     if hidden % 64 or hidden < 128:
         raise ValueError(f"hidden: expected a multiple of 64 >= 128, got {hidden}")
     if context % 16 or context < 256:
         raise ValueError(f"context: expected a multiple of 16 >= 256, got {context}")
     return DSAConfig.deepseek_v32(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=64 * round(hidden * 8 / 3 / 64),
-        num_hidden_layers=layers, num_attention_heads=hidden // 64, q_lora_rank=hidden // 2, qk_nope_head_dim=64,
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate_size or 64 * round(hidden * 8 / 3 / 64),
+        num_hidden_layers=layers, num_attention_heads=hidden // 64, q_lora_rank=q_lora_rank or hidden // 2,
+        qk_nope_head_dim=64,
         v_head_dim=64, n_routed_experts=None, rope_scaling=None, max_position_embeddings=context,
-        index_n_heads=index_heads, index_head_dim=128, index_topk=context // 16, bos_token_id=0, eos_token_id=1)
+        index_n_heads=index_heads, index_head_dim=128, index_topk=index_topk or context // 16, bos_token_id=0,
+        eos_token_id=1)
 
 
 def new_model(config: DSAConfig, seed: int, device):
@@ -62,12 +77,55 @@ def new_model(config: DSAConfig, seed: int, device):
     return DSAModel.random(config, seed=seed, dtype=torch.float32, device=device).train().requires_grad_(True)
 
 
-def indexer_params(model) -> list:
-    return [p for n, p in model.named_parameters() if ".indexer." in n]
+class MTP(nn.Module):
+    """One multi-token-prediction module (DeepSeek-V3's): ``enorm``, ``hnorm``, ``eh_proj [hidden, 2 hidden]``,
+    one :class:`DecoderLayer` (layer id ``num_hidden_layers``, with its indexer) and ``shared_head.norm``;
+    the embedding and the head are the main model's. Exported as ``model.layers.{num_hidden_layers}.*``."""
+
+    def __init__(self, config: DSAConfig):
+        super().__init__()
+        from dsa.model.model import DecoderLayer
+        h = config.hidden_size
+        self.enorm, self.hnorm = RMSNorm(h, config.rms_norm_eps), RMSNorm(h, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        n = config.num_hidden_layers  # the layer after the last one, with its own indexer
+        self.layer = DecoderLayer(config.replace(num_hidden_layers=n + 1, index_topk_pattern=None), n)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(h, config.rms_norm_eps)
+
+    def export_names(self) -> dict:
+        """``{our name: the V3.2 checkpoint's name without the model.layers.N. prefix}``."""
+        return {n: n.removeprefix("layer.") for n in self.state_dict()}
 
 
-def model_params(model) -> list:
-    return [p for n, p in model.named_parameters() if ".indexer." not in n]
+def new_mtp(config: DSAConfig, seed: int, device) -> MTP:
+    """A trainable fp32 :class:`MTP` with ``DSAModel.random``'s init (normal(0, 0.02), norms at 1)."""
+    with torch.device(device):
+        mtp = MTP(config)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=g)
+            else:
+                p.zero_()
+    return mtp.train()
+
+
+def _named(model, mtp=None):
+    yield from model.named_parameters()
+    if mtp is not None:
+        yield from (("mtp." + n, p) for n, p in mtp.named_parameters())
+
+
+def indexer_params(model, mtp=None) -> list:
+    return [p for n, p in _named(model, mtp) if ".indexer." in n]
+
+
+def model_params(model, mtp=None) -> list:
+    return [p for n, p in _named(model, mtp) if ".indexer." not in n]
 
 
 # ---- the differentiable paths -----------------------------------------------------------------
@@ -130,6 +188,33 @@ def topk_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
     return mask & torch.isfinite(logits)
 
 
+def _layer(layer, x, rot, b: int, s: int, mode: str, topk: int, kl_rows, selected, observe=None, i=None):
+    """One decoder layer of the differentiable paths: ``(x, selected, kl or None)``."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    qr, *parts = attn.project(h, rot)  # q_nope, q_pe, kv_c, k_pe
+    parts[0] = parts[0].view(b, s, attn.num_heads, -1)
+    parts[1] = parts[1].reshape(b, s, attn.num_heads, -1)
+    if observe is not None:
+        observe(i, attn, h, qr, parts, rot)
+    kl = None
+    if mode != "dense" and attn.indexer is not None:
+        if mode == "sparse":
+            with torch.no_grad():
+                selected = topk_mask(indexer_logits(attn.indexer, h, qr, rot, b, s), topk)
+        if kl_rows is not None:
+            logits = indexer_logits(attn.indexer, h.detach(), qr.detach(), rot, b, s, kl_rows)
+            if mode == "warmup":
+                kl = warmup_kl(logits.flatten(0, 1), head_avg_probs(attn, *parts, b, s, kl_rows).flatten(0, 1))
+            else:
+                allowed = selected[:, kl_rows]
+                probs = head_avg_probs(attn, *parts, b, s, kl_rows, allowed)
+                kl = selected_set_kl(logits.flatten(0, 1), probs.flatten(0, 1), allowed.flatten(0, 1))
+    x = x + mla(attn, *parts, b, s, selected if mode == "sparse" else None)
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x, selected, kl
+
+
 def run(model, ids: torch.Tensor, mode: str, topk: int | None = None, kl_rows=None, observe=None):
     """``(logits [B, S, vocab] fp32, [KL per indexer layer])`` for ``ids [B, S]``.
 
@@ -138,6 +223,13 @@ def run(model, ids: torch.Tensor, mode: str, topk: int | None = None, kl_rows=No
     selected set). The KL terms (rows ``kl_rows``, none when None) read the indexer input detached.
     ``observe(layer_id, attn, h, qr, parts, rot)`` sees each layer's attention input and projections.
     """
+    logits, kls, _ = run_with_mtp(model, None, ids, mode, topk, kl_rows, observe)
+    return logits, kls
+
+
+def run_with_mtp(model, mtp, ids: torch.Tensor, mode: str, topk: int | None = None, kl_rows=None, observe=None):
+    """:func:`run` plus the MTP module's ``[B, S - 1, vocab]`` fp32 logits (row ``i`` predicts ``ids[:, i + 2]``;
+    None without ``mtp``); its indexer's KL (if any) is the last of the list."""
     if mode not in STAGES:
         raise ValueError(f"mode: expected one of {STAGES}, got {mode!r}")
     b, s = ids.shape
@@ -146,27 +238,23 @@ def run(model, ids: torch.Tensor, mode: str, topk: int | None = None, kl_rows=No
     x = model.embed_tokens(ids).view(b * s, -1)
     selected, kls = None, []
     for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        qr, *parts = attn.project(h, rot)  # q_nope, q_pe, kv_c, k_pe
-        parts[0] = parts[0].view(b, s, attn.num_heads, -1)
-        parts[1] = parts[1].reshape(b, s, attn.num_heads, -1)
-        if observe is not None:
-            observe(i, attn, h, qr, parts, rot)
-        if mode != "dense" and attn.indexer is not None:
-            if mode == "sparse":
-                with torch.no_grad():
-                    selected = topk_mask(indexer_logits(attn.indexer, h, qr, rot, b, s), topk)
-            if kl_rows is not None:
-                logits = indexer_logits(attn.indexer, h.detach(), qr.detach(), rot, b, s, kl_rows)
-                allowed = None if mode == "warmup" else selected[:, kl_rows]
-                probs = head_avg_probs(attn, *parts, b, s, kl_rows, allowed)
-                if allowed is not None:
-                    logits = logits.masked_fill(~allowed, float("-inf"))
-                kls.append(warmup_kl(logits.flatten(0, 1), probs.flatten(0, 1)))
-        x = x + mla(attn, *parts, b, s, selected if mode == "sparse" else None)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(model.norm(x)).view(b, s, -1).float(), kls
+        x, selected, kl = _layer(layer, x, rot, b, s, mode, topk, kl_rows, selected, observe, i)
+        if kl is not None:
+            kls.append(kl)
+    hidden = model.norm(x)
+    logits = model.lm_head(hidden).view(b, s, -1).float()
+    if mtp is None:
+        return logits, kls, None
+    if s < 3:
+        raise ValueError(f"ids: the MTP module needs >= 3 tokens a sequence, got {s}")
+    e = mtp.enorm(model.embed_tokens(ids[:, 1:]))
+    y = mtp.eh_proj(torch.cat((e, mtp.hnorm(hidden.view(b, s, -1)[:, :-1])), dim=-1)).reshape(b * (s - 1), -1)
+    rows = None if kl_rows is None else kl_rows[kl_rows < s - 1]
+    y, _, kl = _layer(mtp.layer, y, rot.view(b, s, -1)[:, :-1].reshape(b * (s - 1), -1), b, s - 1, mode, topk,
+                      rows, None)
+    if kl is not None:
+        kls.append(kl)
+    return logits, kls, model.lm_head(mtp.shared_head.norm(y)).view(b, s - 1, -1).float()
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -174,30 +262,39 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
-def stage_loss(model, ids: torch.Tensor, stage: str, kl_rows: torch.Tensor) -> tuple:
-    """``(loss to minimize, {"lm": ..., "kl": ...})`` of one stage on a batch (see the module docstring)."""
-    if stage == "dense":
-        logits, _ = run(model, ids, "dense")
-        lm = lm_loss(logits, ids)
-        return lm, {"lm": lm.item()}
+def mtp_loss(mtp_logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the MTP module's predictions of the token after next [nats / token]."""
+    return F.cross_entropy(mtp_logits[:, :-1].flatten(0, 1), ids[:, 2:].flatten())
+
+
+def stage_loss(model, ids: torch.Tensor, stage: str, kl_rows: torch.Tensor, mtp=None) -> tuple:
+    """``(loss to minimize, {"lm": ..., "kl": ..., "mtp": ...})`` of one stage on a batch (see the module
+    docstring); with ``mtp`` the dense and sparse stages add ``MTP_WEIGHT`` times its loss."""
     if stage == "warmup":  # the model is frozen (set_trainable): the graph holds only the indexers' terms
-        _, kls = run(model, ids, "warmup", kl_rows=kl_rows)
+        _, kls, _ = run_with_mtp(model, mtp, ids, "warmup", kl_rows=kl_rows)
         kl = torch.stack(kls).mean()
         return kl, {"kl": kl.item()}
-    logits, kls = run(model, ids, "sparse", kl_rows=kl_rows)
-    lm, kl = lm_loss(logits, ids), torch.stack(kls).mean()
-    return lm + kl, {"lm": lm.item(), "kl": kl.item()}
+    logits, kls, mtp_logits = run_with_mtp(model, mtp, ids, stage, kl_rows=None if stage == "dense" else kl_rows)
+    lm = lm_loss(logits, ids)
+    loss, row = lm, {"lm": lm.item()}
+    if kls:
+        kl = torch.stack(kls).mean()
+        loss, row["kl"] = loss + kl, kl.item()
+    if mtp_logits is not None:
+        extra = mtp_loss(mtp_logits, ids)
+        loss, row["mtp"] = loss + MTP_WEIGHT * extra, extra.item()
+    return loss, row
 
 
-def set_trainable(model, stage: str) -> list:
+def set_trainable(model, stage: str, mtp=None) -> list:
     """Freeze per stage; returns the trainable parameters (dense: all but the indexers; warmup: the
-    indexers; sparse: all)."""
+    indexers; sparse: all), the MTP module's with the model's."""
     if stage not in STAGES:
         raise ValueError(f"stage: expected one of {STAGES}, got {stage!r}")
-    for n, p in model.named_parameters():
+    for n, p in _named(model, mtp):
         is_indexer = ".indexer." in n
         p.requires_grad_({"dense": not is_indexer, "warmup": is_indexer, "sparse": True}[stage])
-    return [p for p in model.parameters() if p.requires_grad]
+    return [p for _, p in _named(model, mtp) if p.requires_grad]
 
 
 # ---- evaluation ------------------------------------------------------------------------------
@@ -210,6 +307,25 @@ def heldout_loss(model, windows: list, mode: str, topk: int | None = None, autoc
             logits, _ = run(model, ids[None].to(model.device), mode, topk)
         total += float(lm_loss(logits, ids[None].to(model.device)))
     return total / max(1, len(windows))
+
+
+@torch.no_grad()
+def mtp_eval(model, mtp, windows: list, mode: str, topk: int | None = None, autocast=None) -> dict:
+    """The MTP module on ``windows`` (teacher-forced): its loss on the token after next [nats / token], its
+    top-1 accuracy there, and ``acceptance``: how often its argmax equals the main model's argmax for the
+    same token (the share of drafts of one token that a greedy verify step accepts)."""
+    loss = hits = agree = count = 0.0
+    for ids in windows:
+        ids = ids[None].to(model.device)
+        with autocast_ctx(model.device, autocast):
+            logits, _, mtp_logits = run_with_mtp(model, mtp, ids, mode, topk)
+        draft, target = mtp_logits[0, :-1].argmax(-1), logits[0, 1:-1].argmax(-1)
+        loss += float(mtp_loss(mtp_logits, ids)) * draft.numel()
+        hits += float((draft == ids[0, 2:]).sum())
+        agree += float((draft == target).sum())
+        count += draft.numel()
+    count = max(count, 1)
+    return {"loss": loss / count, "accuracy": hits / count, "acceptance": agree / count}
 
 
 @torch.no_grad()
@@ -250,15 +366,39 @@ def autocast_ctx(device, dtype):
 
 
 # ---- export: the DeepSeek-V3.2 HF layout -----------------------------------------------------
-def hf_config(config: DSAConfig, dtype: torch.dtype) -> dict:
+FP8_BLOCK = 128
+
+
+def quantize_fp8_block(w: torch.Tensor) -> tuple:
+    """``w [N, K]`` -> ``(w8 [N, K] e4m3, scale_inv [ceil(N/128), ceil(K/128)] fp32)`` with ``w ~ w8 *
+    scale_inv`` per 128 x 128 block (DeepSeek-V3's block format; each block's largest magnitude maps to 448)."""
+    n, k = w.shape
+    rb, cb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    padded = F.pad(w.float(), (0, cb * FP8_BLOCK - k, 0, rb * FP8_BLOCK - n))
+    blocks = padded.view(rb, FP8_BLOCK, cb, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    w8 = (blocks / scale[:, None, :, None]).view(rb * FP8_BLOCK, cb * FP8_BLOCK)[:n, :k]
+    return w8.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def _fp8_target(name: str, t: torch.Tensor) -> bool:
+    """A decoder layer's or the MTP module's 2-D weight (a projection) whose both sides are whole 128-blocks
+    (transformers' dequantizer needs them whole); not the embedding, the head or the norms."""
+    return t.dim() == 2 and name.startswith("model.layers.") and not t.shape[0] % FP8_BLOCK and \
+        not t.shape[1] % FP8_BLOCK
+
+
+def hf_config(config: DSAConfig, dtype: torch.dtype, num_nextn: int = 0, fp8_kept: set | None = None) -> dict:
     """``config.json`` for transformers' ``DeepseekV32ForCausalLM`` and :meth:`DSAModel.from_pretrained`.
     A dense-MLP model is written as V3.2 writes its first dense layers: ``first_k_dense_replace`` =
-    every layer (one routed expert declared, none built)."""
+    every layer (one routed expert declared, none built); ``num_nextn`` MTP layers; ``fp8_kept``
+    (FP8 block weights, V3.2's ``quantization_config``): the layers' modules left unquantized, by the last
+    part of their names; None: no quantization."""
     c = config
     if c.n_routed_experts is not None or c.rope_scaling is not None:
         raise ValueError("config: export writes dense-MLP models with plain RoPE (n_routed_experts=None, "
                          "rope_scaling=None)")
-    return {
+    out = {
         "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
         "dtype": str(dtype).removeprefix("torch."), "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size, "moe_intermediate_size": c.intermediate_size,
@@ -270,23 +410,52 @@ def hf_config(config: DSAConfig, dtype: torch.dtype) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
         "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": False, "attention_bias": False,
         "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "index_n_heads": c.index_n_heads,
-        "index_head_dim": c.index_head_dim, "index_topk": c.index_topk}
+        "index_head_dim": c.index_head_dim, "index_topk": c.index_topk, "num_nextn_predict_layers": num_nextn}
+    if fp8_kept is not None:
+        out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+                                      "modules_to_not_convert": sorted(set(fp8_kept) | {"lm_head"})}
+    return out
 
 
-def export(model, tokenizer_file: str, out_dir: str, dtype: torch.dtype = torch.float32, meta=None) -> str:
-    """Write ``config.json``, ``model.safetensors`` (HF names: ``model.`` + ours, ``lm_head.weight``),
-    ``tokenizer.json``, ``tokenizer_config.json`` (BOS, EOS, a ``role: content`` chat template) and
-    ``generation_config.json``; ``meta``: strings for the safetensors header."""
+def export_tensors(model, mtp=None, dtype: torch.dtype = torch.float32, fp8: bool = False) -> dict:
+    """The V3.2 checkpoint's tensors: ``model.`` + ours, ``lm_head.weight``, the MTP module as
+    ``model.layers.{num_hidden_layers}.*`` (its embedding and head are the main model's and not repeated);
+    with ``fp8`` each projection weight as e4m3 plus its ``weight_scale_inv``, the rest in ``dtype``."""
+    tensors = {(k if k.startswith("lm_head.") else "model." + k): v for k, v in model.state_dict().items()}
+    if mtp is not None:
+        prefix = f"model.layers.{model.config.num_hidden_layers}."
+        state = mtp.state_dict()
+        tensors.update({prefix + new: state[ours] for ours, new in mtp.export_names().items()})
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().cpu()
+        if fp8 and _fp8_target(name, t):
+            out[name], out[name + "_scale_inv"] = quantize_fp8_block(t)
+        else:
+            out[name] = t.to(dtype).contiguous()
+    return out
+
+
+def export(model, tokenizer_file: str, out_dir: str, dtype: torch.dtype = torch.float32, meta=None, mtp=None,
+           fp8: bool = False) -> str:
+    """Write ``config.json``, ``model.safetensors`` (:func:`export_tensors`), ``tokenizer.json``,
+    ``tokenizer_config.json`` (BOS, EOS, a ``role: content`` chat template) and ``generation_config.json``;
+    ``meta``: strings for the safetensors header."""
     import shutil
 
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {(k if k.startswith("lm_head.") else "model." + k): v.detach().to(dtype).contiguous().cpu()
-               for k, v in model.state_dict().items()}
+    tensors = export_tensors(model, mtp, dtype, fp8)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt", **(meta or {})})
     c = model.config
-    files = {"config.json": hf_config(c, dtype),
+    kept = None
+    if fp8:  # the layers' 2-D weights that stay unquantized, by module name
+        kept = {n.removesuffix(".weight").rsplit(".", 1)[-1] for n, t in tensors.items()
+                if n.startswith("model.layers.") and n.endswith(".weight") and t.dim() == 2
+                and t.dtype != torch.float8_e4m3fn}
+    files = {"config.json": hf_config(c, torch.bfloat16 if fp8 else dtype, 1 if mtp is not None else 0, kept),
              "tokenizer_config.json": {"bos_token": BOS, "eos_token": EOS, "chat_template": CHAT_TEMPLATE,
                                        "model_max_length": c.max_position_embeddings},
              "generation_config.json": {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id}}

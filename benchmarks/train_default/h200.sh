@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The trained default's run on one H200 (no network there), in calls of at most 10 minutes each:
+#
+#   bash benchmarks/train_default/h200.sh receive PART...   # copy carried data parts to /tmp/xfer, sha256-checked
+#   bash benchmarks/train_default/h200.sh smoke              # every stage at the real shapes, 3 steps each (~2 min)
+#   bash benchmarks/train_default/h200.sh start [ARGS...]    # join the parts, check the data, train detached
+#   bash benchmarks/train_default/h200.sh wait SECONDS       # hold the machine, show the log, copy results to $OUT
+#   bash benchmarks/train_default/h200.sh collect            # the export as parts of <= 15 MiB, train.json, plot, log
+#
+# The data is prepared on a CPU machine with network (`train.py prepare`, then `pack` below) and carried
+# in parts (.xfer/ is ignored by git); the machine stays warm between calls, so /tmp persists.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+XFER=/tmp/xfer DATA=/tmp/train-data RUN=/tmp/train-run
+OUT=${OUT:-/tmp/out}
+py=${PY:-python3}
+
+case "${1:-}" in
+pack)  # CPU side: DATA_DIR -> .xfer/data.tar.xz.partNN + .xfer/SHA256SUMS
+    src=$2; mkdir -p .xfer; rm -f .xfer/data.tar.xz.part* .xfer/SHA256SUMS
+    tar -C "$src" -cf - . | xz -T0 -9 | split -b 30M -d - .xfer/data.tar.xz.part
+    (cd .xfer && sha256sum data.tar.xz.part* > SHA256SUMS && sha256sum -c SHA256SUMS >/dev/null)
+    ls -la .xfer ;;
+receive)
+    shift; mkdir -p $XFER
+    for f in "$@"; do cp "$f" $XFER/; done
+    cp .xfer/SHA256SUMS $XFER/
+    (cd $XFER && for f in "$@"; do grep " $(basename "$f")\$" SHA256SUMS | sha256sum -c -; done) ;;
+smoke)
+    $py -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
+    rm -rf /tmp/smoke && mkdir -p /tmp/smoke/text/train /tmp/smoke/text/heldout
+    $py - <<'PY'
+import glob
+docs = [open(f, encoding="utf-8").read() for f in sorted(glob.glob("dsa/**/*.py", recursive=True))]
+open("/tmp/smoke/text/train/code.txt", "w").write("\n<|endoftext|>\n".join(docs * 3))
+open("/tmp/smoke/text/heldout/readme.txt", "w").write("\n<|endoftext|>\n".join([open("README.md").read()] * 8))
+PY
+    $py benchmarks/train_default/train.py prepare --text /tmp/smoke/text --out /tmp/smoke/data --vocab 4096
+    $py benchmarks/train_default/train.py train --data /tmp/smoke/data --out /tmp/smoke/out --max-steps 3 \
+        --eval-windows 2 --recall-queries 16 --sample-tokens 8 --heldout-every 2 --log-every 1 "${@:2}"
+    nvidia-smi --query-gpu=memory.used --format=csv ;;
+start)
+    shift
+    $py -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
+    (cd $XFER && sha256sum -c SHA256SUMS)
+    rm -rf $DATA && mkdir -p $DATA $RUN
+    cat $XFER/data.tar.xz.part* | xz -d -T0 | tar -C $DATA -xf -
+    $py -c "import sys; sys.argv=['x']; sys.path.insert(0, 'benchmarks/train_default'); import train; m, t, h = train.load_data('$DATA'); print('data ok:', sum(map(len, t.values())), 'train tokens,', sum(map(len, h.values())), 'held-out')"
+    setsid nohup $py benchmarks/train_default/train.py train --data $DATA --out $RUN "$@" > $RUN/log 2>&1 < /dev/null &
+    sleep 45; tail -5 $RUN/log ;;
+wait)
+    sleep "$2"
+    grep -v '^\[' $RUN/log | tail -20; tail -3 $RUN/log
+    mkdir -p $OUT; cp $RUN/log $OUT/train.log
+    [ -f $RUN/checkpoint.pt ] && cp $RUN/checkpoint.pt /tmp/ckpt.pt && split -b 15M -d /tmp/ckpt.pt $OUT/checkpoint.pt.part
+    ls -la $OUT ;;
+collect)
+    mkdir -p $OUT
+    cp $RUN/log $OUT/train.log; cp $RUN/train.json $RUN/train_loss.png $OUT/
+    tar -C $RUN -cf /tmp/model.tar model && split -b 15M -d /tmp/model.tar $OUT/model.tar.part
+    (cd $OUT && sha256sum /tmp/model.tar | sed 's|/tmp/||' > model.tar.sha256)
+    ls -la $OUT ;;
+*) echo "usage: $0 pack DIR | receive PART... | smoke | start [ARGS...] | wait SECONDS | collect" >&2; exit 2 ;;
+esac
