@@ -3,12 +3,14 @@
 #
 #   bash benchmarks/train_default/h200.sh receive PART...   # copy carried data parts to /tmp/xfer, sha256-checked
 #   bash benchmarks/train_default/h200.sh smoke              # every stage at the real shapes, 3 steps each (~2 min)
-#   bash benchmarks/train_default/h200.sh start [ARGS...]    # join the parts, check the data, train detached
+#   bash benchmarks/train_default/h200.sh start [ARGS...]    # join the parts, tokenize, check, train detached
 #   bash benchmarks/train_default/h200.sh wait SECONDS       # hold the machine, show the log, copy results to $OUT
 #   bash benchmarks/train_default/h200.sh collect            # the export as parts of <= 15 MiB, train.json, plot, log
 #
-# The data is prepared on a CPU machine with network (`train.py prepare`, then `pack` below) and carried
-# in parts (.xfer/ is ignored by git); the machine stays warm between calls, so /tmp persists.
+# On a CPU machine with network: fetch the text (benchmarks/quality/fetch_text.py), train the tokenizer
+# (`train.py prepare --only-tokenizer`), then `h200.sh pack TEXT_DIR TOKENIZER_JSON` writes the text and the
+# tokenizer as xz parts into .xfer/ (ignored by git), carried over a few calls; the H200 tokenizes them with
+# that tokenizer (`prepare --tokenizer`, 16 cores). The machine stays warm between calls, so /tmp persists.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 XFER=/tmp/xfer DATA=/tmp/train-data RUN=/tmp/train-run
@@ -16,10 +18,11 @@ OUT=${OUT:-/tmp/out}
 py=${PY:-python3}
 
 case "${1:-}" in
-pack)  # CPU side: DATA_DIR -> .xfer/data.tar.xz.partNN + .xfer/SHA256SUMS
-    src=$2; mkdir -p .xfer; rm -f .xfer/data.tar.xz.part* .xfer/SHA256SUMS
-    tar -C "$src" -cf - . | xz -T0 -9 | split -b 30M -d - .xfer/data.tar.xz.part
-    (cd .xfer && sha256sum data.tar.xz.part* > SHA256SUMS && sha256sum -c SHA256SUMS >/dev/null)
+pack)  # CPU side: TEXT_DIR (train/, heldout/, manifest.json) + TOKENIZER -> .xfer/text.tar.xz.partNN + SHA256SUMS
+    src=$2; mkdir -p .xfer; rm -f .xfer/text.tar.xz.part* .xfer/SHA256SUMS
+    cp "$3" "$src/tokenizer.json"
+    tar -C "$src" -cf - train heldout manifest.json tokenizer.json | xz -T0 -9e | split -b 30M -d - .xfer/text.tar.xz.part
+    (cd .xfer && sha256sum text.tar.xz.part* > SHA256SUMS && sha256sum -c SHA256SUMS >/dev/null)
     ls -la .xfer ;;
 receive)
     shift; mkdir -p $XFER
@@ -43,9 +46,9 @@ start)
     shift
     $py -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
     (cd $XFER && sha256sum -c SHA256SUMS)
-    rm -rf $DATA && mkdir -p $DATA $RUN
-    cat $XFER/data.tar.xz.part* | xz -d -T0 | tar -C $DATA -xf -
-    $py -c "import sys; sys.argv=['x']; sys.path.insert(0, 'benchmarks/train_default'); import train; m, t, h = train.load_data('$DATA'); print('data ok:', sum(map(len, t.values())), 'train tokens,', sum(map(len, h.values())), 'held-out')"
+    rm -rf $DATA /tmp/train-text && mkdir -p $DATA /tmp/train-text $RUN
+    cat $XFER/text.tar.xz.part* | xz -d -T0 | tar -C /tmp/train-text -xf -
+    $py benchmarks/train_default/train.py prepare --text /tmp/train-text --out $DATA --tokenizer /tmp/train-text/tokenizer.json
     setsid nohup $py benchmarks/train_default/train.py train --data $DATA --out $RUN "$@" > $RUN/log 2>&1 < /dev/null &
     sleep 45; tail -5 $RUN/log ;;
 wait)
@@ -56,9 +59,9 @@ wait)
     ls -la $OUT ;;
 collect)
     mkdir -p $OUT
-    cp $RUN/log $OUT/train.log; cp $RUN/train.json $RUN/train_loss.png $OUT/
+    cp $RUN/log $OUT/train.log; cp $RUN/train.json $RUN/train_loss.png $DATA/data_manifest.json $OUT/
     tar -C $RUN -cf /tmp/model.tar model && split -b 15M -d /tmp/model.tar $OUT/model.tar.part
     (cd $OUT && sha256sum /tmp/model.tar | sed 's|/tmp/||' > model.tar.sha256)
     ls -la $OUT ;;
-*) echo "usage: $0 pack DIR | receive PART... | smoke | start [ARGS...] | wait SECONDS | collect" >&2; exit 2 ;;
+*) echo "usage: $0 pack TEXT_DIR TOKENIZER | receive PART... | smoke | start [ARGS...] | wait SECONDS | collect" >&2; exit 2 ;;
 esac

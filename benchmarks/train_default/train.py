@@ -69,8 +69,11 @@ def prepare(args) -> int:
             shutil.copyfile(args.tokenizer, tok_file)
         tok = Tokenizer.from_file(tok_file)
     else:
-        tok = train_tokenizer(texts["train"], args.vocab, tok_file)
+        tok = train_tokenizer(texts["train"], args.vocab, tok_file,
+                              None if args.tokenizer_mb is None else int(args.tokenizer_mb * 1e6))
     print(f"tokenizer: {tok.get_vocab_size()} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.only_tokenizer:
+        return 0
     files = {}
     for split, paths in texts.items():
         os.makedirs(os.path.join(args.out, split), exist_ok=True)
@@ -189,21 +192,37 @@ def train_stage(model, mtp, stage: str, streams: dict, args, g: torch.Generator,
             "peak_allocated_gib": peak and round(peak, 2), "curve": curve}
 
 
-def evaluate(model, mtp, heldout: dict, args) -> dict:
-    """At each eval context: held-out loss [nats / token] dense and sparse (``index_topk`` fixed) and the
-    MTP module's loss, accuracy and greedy acceptance (sparse)."""
+def evaluate(model, mtp, heldout: dict, args, text_bytes: dict) -> dict:
+    """At each eval context: held-out loss [nats / token] dense and sparse (``index_topk`` fixed), per file
+    and over all windows; bits per byte per file (``loss / ln 2 * tokens / bytes``: the file's tokens
+    and the UTF-8 bytes they encode); the MTP module's loss, accuracy and greedy acceptance (sparse)."""
     from dsa.quality.corpus import windows
     from dsa.quality.train import heldout_loss, mtp_eval
 
     out = {}
     for ctx in args.eval_contexts:
-        w = eval_windows(heldout, ctx, args.eval_windows)
-        out[str(ctx)] = {"windows": len(w), "k": model.config.index_topk,
-                         "dense": round(heldout_loss(model, w, "dense", autocast=args.amp), 5),
-                         "sparse": round(heldout_loss(model, w, "sparse", autocast=args.amp), 5)}
+        row = {"k": model.config.index_topk, "windows": 0, "dense": 0.0, "sparse": 0.0, "files": {}}
+        for name, ids in heldout.items():
+            w = windows(ids, ctx, max(1, args.eval_windows // len(heldout)))
+            if not w:
+                continue
+            dense = heldout_loss(model, w, "dense", autocast=args.amp)
+            sparse = heldout_loss(model, w, "sparse", autocast=args.amp)
+            per_byte = len(ids) / text_bytes[name] / math.log(2) if text_bytes.get(name) else None
+            row["files"][name] = {"windows": len(w), "dense": round(dense, 5), "sparse": round(sparse, 5),
+                                  "dense_bits_per_byte": per_byte and round(dense * per_byte, 4),
+                                  "sparse_bits_per_byte": per_byte and round(sparse * per_byte, 4)}
+            row["windows"] += len(w)
+            row["dense"] += dense * len(w)
+            row["sparse"] += sparse * len(w)
+        for key in ("dense", "sparse"):
+            row[key] = round(row[key] / max(row["windows"], 1), 5)
+            bpb = [f[f"{key}_bits_per_byte"] for f in row["files"].values() if f[f"{key}_bits_per_byte"]]
+            row[f"{key}_bits_per_byte"] = round(sum(bpb) / len(bpb), 4) if bpb else None  # mean over the files
         if mtp is not None:
-            out[str(ctx)]["mtp"] = {k: round(v, 5) for k, v in mtp_eval(model, mtp, w, "sparse",
-                                                                          autocast=args.amp).items()}
+            w = eval_windows(heldout, ctx, args.eval_windows)
+            row["mtp"] = {k: round(v, 5) for k, v in mtp_eval(model, mtp, w, "sparse", autocast=args.amp).items()}
+        out[str(ctx)] = row
     print(f"held-out: {out}", flush=True)
     return out
 
@@ -346,7 +365,7 @@ def train(args) -> int:
         if stage in ("dense", "long"):
             rec["passes"] = round(rec["tokens"] / train_tokens, 2)  # how often the stage saw each train token
         model.eval(), mtp.eval()
-        record["eval"][stage] = evaluate(model, mtp, heldout, args)
+        record["eval"][stage] = evaluate(model, mtp, heldout, args, record["data"]["heldout_bytes"])
         model.train(), mtp.train()
         save_checkpoint(ckpt, model, mtp, record, g)
     record["passes"] = round(sum(record["stages"][s]["tokens"] for s in ("dense", "long")) / train_tokens, 2)
@@ -385,6 +404,9 @@ def main(argv=None) -> int:
     pp.add_argument("--out", default=DATA, help="tokenizer, token ids, manifest (default: %(default)s)")
     pp.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size (default: %(default)s)")
     pp.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
+    pp.add_argument("--tokenizer-mb", type=float, help="train the tokenizer on this many MB of the train text, each "
+                    "file its share by size (default: all of it)")
+    pp.add_argument("--only-tokenizer", action="store_true", help="stop after the tokenizer (no token ids)")
     pp.set_defaults(func=prepare)
     pt = sub.add_parser("train", help="the three stages, evaluation, export")
     pt.add_argument("--data", default=DATA, help="prepare's output (default: %(default)s)")

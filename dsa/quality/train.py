@@ -467,10 +467,11 @@ def export(model, tokenizer_file: str, out_dir: str, dtype: torch.dtype = torch.
 
 
 # ---- the tokenizer ----------------------------------------------------------------------------
-def train_tokenizer(files: list, vocab_size: int, out_file: str):
+def train_tokenizer(files: list, vocab_size: int, out_file: str, max_bytes: int | None = None):
     """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` trained on ``files`` (documents
-    separated by ``<|endoftext|>``), BOS ``<|bos|>`` = 0 and EOS ``<|endoftext|>`` = 1, BOS added by
-    ``encode``; saved to ``out_file``."""
+    separated by ``<|endoftext|>``; with ``max_bytes``, each file's first documents up to its share of
+    ``max_bytes`` by size), BOS ``<|bos|>`` = 0 and EOS ``<|endoftext|>`` = 1, BOS added by ``encode``;
+    saved to ``out_file``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -478,11 +479,19 @@ def train_tokenizer(files: list, vocab_size: int, out_file: str):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    total = sum(os.path.getsize(p) for p in files)
 
     def docs():
         for path in files:
+            budget = None if max_bytes is None else max_bytes * os.path.getsize(path) / max(total, 1)
             with open(path, encoding="utf-8") as f:
-                yield from (d.strip() for d in f.read().split(EOS) if d.strip())
+                for d in f.read().split(EOS):
+                    if d.strip():
+                        yield d.strip()
+                        if budget is not None:
+                            budget -= len(d)
+                            if budget <= 0:
+                                break
     tok.train_from_iterator(docs(), trainer)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 0)])
     tok.save(out_file)
