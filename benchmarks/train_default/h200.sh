@@ -21,7 +21,7 @@ case "${1:-}" in
 pack)  # CPU side: TEXT_DIR (train/, heldout/, manifest.json) + TOKENIZER -> .xfer/text.tar.xz.partNN + SHA256SUMS
     src=$2; mkdir -p .xfer; rm -f .xfer/text.tar.xz.part* .xfer/SHA256SUMS
     cp "$3" "$src/tokenizer.json"
-    tar -C "$src" -cf - train heldout manifest.json tokenizer.json | xz -T0 -9e | split -b 30M -d - .xfer/text.tar.xz.part
+    tar -C "$src" -cf - train heldout manifest.json tokenizer.json | xz -T0 -9 | split -b 30M -d - .xfer/text.tar.xz.part
     (cd .xfer && sha256sum text.tar.xz.part* > SHA256SUMS && sha256sum -c SHA256SUMS >/dev/null)
     ls -la .xfer ;;
 receive)
