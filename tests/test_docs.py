@@ -1,9 +1,11 @@
 """The documents a new user reads (README.md, CHANGELOG.md, docs/*.md, benchmarks/README.md): every
 relative link and #anchor resolves, every quoted result file and source path exists, every `dsa`
-subcommand and flag quoted in a command exists in the real CLI parser. Each failure says file:line."""
+subcommand and flag quoted in a command exists in the real CLI parser, and the tables that
+benchmarks/render.py owns equal a fresh render of the JSON they name. Each failure says file:line."""
 import argparse
 import functools
 import glob
+import importlib.util
 import os
 import re
 import sys
@@ -211,3 +213,31 @@ def test_checks_catch_mistakes(tmp_path, monkeypatch, check, body, message):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
     problems = check("doc.md")
     assert len(problems) == 1 and problems[0].startswith(message), problems
+
+
+def load_render():
+    spec = importlib.util.spec_from_file_location("render", os.path.join(ROOT, "benchmarks", "render.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rendered_tables_match_the_json():
+    """docs/benchmarks.md holds exactly what `python benchmarks/render.py --write` would write."""
+    render = load_render()
+    assert render.main(["--check"]) == 0, "run: python benchmarks/render.py --write"
+
+
+def test_render_replaces_only_between_its_markers():
+    render = load_render()
+    begin, end = render.markers("t")
+    text = f"before\n{begin}\nold\n{end}\nafter\n"
+    assert render.replace_tables(text, {"t": "new"}) == f"before\n{begin}\nnew\n{end}\nafter\n"
+    with pytest.raises(ValueError, match="render:u begin"):
+        render.replace_tables(text, {"u": "new"})
+
+
+def test_render_refuses_two_files_of_one_op():
+    render = load_render()
+    with pytest.raises(ValueError, match="two result files of op 'engine'"):
+        render.render_table(["engine-h200-2026-12-01.json", "engine-h200-2026-12-01-guard-at-b5ef3ef.json"])
