@@ -124,6 +124,7 @@ def cli() -> tuple[argparse.ArgumentParser, dict]:
         pass
     finally:
         argparse.ArgumentParser.parse_known_args = original
+    assert caught and caught[0].prog == "dsa", f"dsa.cli.main([]) parsed with {caught[:1]}, not the dsa parser"
     top = caught[0]
     subs = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices
     return top, subs
