@@ -11,7 +11,7 @@ import torch
 from dsa.cli import main
 from dsa.indexer import LightningIndexer
 from dsa.quality import needle
-from dsa.quality.corpus import sample_window
+from dsa.quality.corpus import read_streams, sample_window
 from dsa.quality.selection import indexer_config, rope_tables, save_indexer
 from dsa.quality.teacher import LlamaTeacher, selection_mask
 from tests.quality_utils import write_tiny_gguf
@@ -171,6 +171,36 @@ def test_smollm2_dense_retrieves_a_needle_in_a_short_context():
     print(f"SmolLM2, 512 tokens, needle {s['answer']} at depth 0.5: dense {dense}, sink + recent (k = 32) {sr}")
     assert dense["retrieved"] and dense["logprob"] > -3.0
     assert not sr["retrieved"]  # the needle is ~250 tokens outside the last 28
+
+
+# ---- the filler streams ---------------------------------------------------------------------------------
+def _three_streams(tmp_path):
+    paths = []
+    for name, n in (("moby", 3000), ("sotu", 2000), ("linux", 5000)):
+        np.save(tmp_path / f"{name}.npy", np.arange(n, dtype=np.uint16) + len(paths) * 10000)
+        paths.append(str(tmp_path / f"{name}.npy"))
+    return paths
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0)], ids=["moby-sotu-linux", "linux-moby-sotu",
+                                                                          "sotu-linux-moby"])
+def test_streams_and_windows_do_not_depend_on_the_order_of_the_paths(tmp_path, order):
+    paths = _three_streams(tmp_path)
+    streams = read_streams([paths[i] for i in order])
+    assert list(streams) == ["linux", "moby", "sotu"], f"streams in the order {list(streams)}"
+    reference = read_streams(paths)
+    g, g_ref = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for _ in range(20):
+        got, want = sample_window(streams, 256, g), sample_window(reference, 256, g_ref)
+        assert torch.equal(got, want), f"paths in the order {order}: another window ({got[0]} vs {want[0]})"
+
+
+def test_two_streams_of_one_name_are_refused(tmp_path):
+    paths = _three_streams(tmp_path)
+    (tmp_path / "b").mkdir()
+    np.save(tmp_path / "b" / "moby.npy", np.arange(2000, dtype=np.uint16))
+    with pytest.raises(ValueError, match="two files named 'moby'"):
+        read_streams([*paths, str(tmp_path / "b" / "moby.npy")])
 
 
 # ---- the command ---------------------------------------------------------------------------------------
