@@ -1,6 +1,9 @@
 """What a new user's trial of the CLI found: version, refused arguments, help with defaults, a
 missing plotting extra named before any work."""
+import argparse
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 
@@ -80,3 +83,44 @@ def test_help_is_plain_text(capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert "`" not in capsys.readouterr().out
+
+
+def _subparsers():
+    from dsa.cli import build_parser
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def test_parsers_build_without_torch():
+    """Every --help is built from torch-free modules (torch alone takes seconds to import)."""
+    code = ("import sys; from dsa.cli import build_parser; build_parser(); "
+            "print(' '.join(m for m in ('torch', 'triton', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"building the parsers imported {out}"
+
+
+@pytest.mark.parametrize("command", sorted(_subparsers()))
+def test_help_shows_every_default(command):
+    """An option with a default says it in --help (argparse's %(default)s or the words it stands for)."""
+    parser = _subparsers()[command]
+    missing = [a.option_strings[0] for a in parser._actions if a.option_strings and a.help is not argparse.SUPPRESS
+               and not any(a.default is v for v in (None, False, argparse.SUPPRESS)) and "default" not in (a.help or "")]
+    assert not missing, f"dsa {command} --help: no default shown for {missing}"
+    text = parser.format_help()
+    assert "%(" not in text and "(default: " in text
+
+
+def test_preset_names_are_the_presets():
+    from dsa.model.preset_names import PRESET_NAMES
+    from dsa.model.presets import PRESETS
+    assert tuple(PRESETS) == PRESET_NAMES, f"presets {tuple(PRESETS)} vs names {PRESET_NAMES}"
+    for command in ("serve", "recall", "bench"):
+        preset = next(a for a in _subparsers()[command]._actions if "--preset" in a.option_strings)
+        assert tuple(preset.choices) == PRESET_NAMES, f"dsa {command} --preset offers {preset.choices}"
+
+
+def test_generate_help_shows_the_real_sampling_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "0 is greedy (default: 0.0)" in text and "--top-p TOP_P default: 1.0" in text, text

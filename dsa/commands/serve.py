@@ -18,13 +18,13 @@ import signal
 import sys
 
 from dsa.commands.options import add_model_arguments, llm_from_args
-from dsa.model.presets import PRESETS
+from dsa.model.preset_names import PRESET_NAMES
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install -e '.[serve]')")
     add_model_arguments(p)
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a random-weight preset with the byte-level tokenizer "
+    p.add_argument("--preset", choices=PRESET_NAMES, help="a random-weight preset with the byte-level tokenizer "
                    "instead of a checkpoint (default: the embedded default model, demo-gpu on CUDA, demo-cpu else)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="default: %(default)s")

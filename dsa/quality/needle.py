@@ -18,12 +18,11 @@ from collections import defaultdict
 
 import torch
 
+from dsa.quality.choices import TASKS
 from dsa.quality.sparse_loss import fitted_rule, oracle_rule, sink_recent_rule
 from dsa.quality.teacher_recall import PASSKEY, QUESTION as PASSKEY_QUESTION
 
-TASKS = ("needle", "multikey", "passkey")
 KINDS = ("number", "word", "uuid")
-RULES = ("dense", "oracle", "fitted", "sink_recent")
 LABELS = {"dense": "dense", "oracle": "oracle top-k", "fitted": "fitted FP8 top-k", "sink_recent": "sink + recent"}
 DEPTHS = tuple(round(0.1 * d, 1) for d in range(1, 10))
 DISTRACTORS = 3  # multikey: keys besides the one asked for

@@ -23,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 from dsa.config import layer_runs_indexer
+from dsa.quality.choices import SWEEP
 
-SWEEP = (64, 128, 256, 512, 1024, 2048, 4096)  # the default k sweep, cut below the context
 
 
 def load_tokens(path: str) -> list:
