@@ -124,3 +124,50 @@ def test_generate_help_shows_the_real_sampling_defaults(capsys):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "0 is greedy (default: 0.0)" in text and "--top-p TOP_P default: 1.0" in text, text
+
+
+DEVICE_COMMANDS = {  # command -> the rest of a command line that would otherwise run
+    "demo": ["demo"], "generate": ["generate", "--prompt", "x"], "serve": ["serve"], "recall": ["recall"],
+    "recall-teacher": ["recall", "--teacher", "--text", "x.npy"], "needle": ["needle", "--text", "x.npy"],
+    "fit-indexer": ["fit-indexer", "--train", "x.npy"], "bench-serve": ["bench", "serve"],
+}
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.mark.parametrize("device", ["cuda", "gpu", "cuda:1"])
+@pytest.mark.parametrize("command", sorted(DEVICE_COMMANDS))
+def test_a_cuda_device_without_one_is_one_line(command, device, no_cuda, tmp_path):
+    argv = DEVICE_COMMANDS[command] + ["--device", device]
+    with pytest.raises(SystemExit) as e:
+        main(argv + (["--out", str(tmp_path)] if command.startswith(("recall", "needle", "fit")) else []))
+    message = str(e.value.code)
+    prog = "dsa " + " ".join(DEVICE_COMMANDS[command][:2 if command == "bench-serve" else 1])
+    assert message.startswith(f"{prog}: --device {device}: no CUDA device is available") and "\n" not in message, message
+    assert "use --device cpu" in message, message
+
+
+@pytest.mark.parametrize("device", ["mps", "tpu", "cuda:x", ""])
+def test_an_unknown_device_is_one_line(device):
+    with pytest.raises(SystemExit, match=f"dsa demo: --device {device}: expected cpu, cuda, cuda:N, gpu or gpu:N$"):
+        main(["demo", "--device", device])
+
+
+@pytest.mark.parametrize("value,want", [("gpu", "cuda"), ("GPU:1", "cuda:1"), ("cuda", "cuda"), ("cpu", "cpu"),
+                                        (None, "cuda")])
+def test_gpu_is_cuda(value, want, monkeypatch):
+    import torch
+
+    from dsa.commands.options import device_from_args
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = argparse.Namespace(device=value)
+    assert device_from_args(args, "demo") == torch.device(want) and args.device == want
+    args.device = "cuda:2"
+    with pytest.raises(SystemExit, match=r"--device cuda:2: there are 2 CUDA devices \(cuda:0 to cuda:1\)$"):
+        device_from_args(args, "demo")

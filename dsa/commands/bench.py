@@ -11,7 +11,7 @@ import os
 import shlex
 
 from dsa.bench import serve as serve_bench
-from dsa.commands.options import add_model_arguments
+from dsa.commands.options import add_model_arguments, device_from_args
 
 TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> rows
     "indexer": "dsa.bench.indexer",
@@ -91,6 +91,8 @@ def run(args) -> int:
         print("wrote " + (", ".join(paths) if paths else "nothing (no result rows with a context length)"))
         return 0
     if args.op == "serve":
+        if args.url is None:  # the server it starts runs there
+            device_from_args(args, "bench serve")
         return serve_bench.run(args)
     if args.op == "render":
         from dsa.bench.report import render_command, tp_compare_command

@@ -7,7 +7,7 @@ on CPU; random weights, seed 0: the tokens are not language). The prompt is pref
 import json
 import time
 
-from dsa.commands.options import checkpoint_errors
+from dsa.commands.options import add_device_argument, checkpoint_errors, device_from_args
 
 
 def add_parser(sub) -> None:
@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="requests generated together (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, help="rows per step, the prefill chunk (default: an eighth of "
                    "the prompt, rounded up to a block, at most 8192)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    add_device_argument(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each: start with "
                    "torchrun --nproc-per-node N -m dsa demo --tp N (default: %(default)s)")
     p.add_argument("--json", help="also write the results to this JSON file")
@@ -45,9 +45,7 @@ def run(args) -> int:
     from dsa.engine import Engine, SamplingParams
     from dsa.kernels.common import cdiv
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("dsa demo: --device cuda asked for, but no CUDA GPU is visible")
+    device = device_from_args(args, "demo")
     context = args.context if args.context is not None else (32768 if device.type == "cuda" else 4096)
     for flag, value in (("--context", context), ("--new-tokens", args.new_tokens), ("--batch", args.batch),
                         ("--max-batch-tokens", args.max_batch_tokens)):

@@ -2,6 +2,8 @@
 import json
 import os
 
+from dsa.commands.options import add_device_argument, device_from_args
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("fit-indexer", help="fit lightning indexers to a frozen GGUF teacher's attention (KL warm-up)")
@@ -25,7 +27,7 @@ def add_parser(sub) -> None:
                    "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="windows, queries and the indexers' initialization "
                    "(default: %(default)s)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    add_device_argument(p)
     p.add_argument("--out", default="fit-out", help="folder for layer_XX.safetensors, fit.json, "
                    "fit_loss.png (default: %(default)s)")
     p.set_defaults(func=run)
@@ -40,7 +42,7 @@ def run(args) -> int:
     from dsa.quality.selection import save_indexer
     from dsa.quality.teacher import LlamaTeacher
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_from_args(args, "fit-indexer")
     teacher = LlamaTeacher.from_gguf(args.gguf, device=device)
     layers = parse_layers(args.layers, teacher.config.num_layers)
     context = min(args.context, teacher.config.context_length)

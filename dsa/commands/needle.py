@@ -5,6 +5,7 @@ import os
 import platform
 import time
 
+from dsa.commands.options import add_device_argument, device_from_args
 from dsa.quality.choices import RULES, TASKS
 
 
@@ -20,7 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("--k-fraction", type=int, default=16, help="k = length / this (default: %(default)s)")
     p.add_argument("--rules", default=",".join(RULES), help="comma list of %(default)s (default: all)")
     p.add_argument("--seed", type=int, default=0, help="samples and filler windows (default: %(default)s)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    add_device_argument(p)
     p.add_argument("--out", default="needle-out", help="folder for needle.json and needle_accuracy.png "
                    "(default: %(default)s)")
     p.set_defaults(func=run)
@@ -68,7 +69,7 @@ def run(args) -> int:
     require_matplotlib("dsa needle")
     parse(args)
     t_start = time.perf_counter()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_from_args(args, "needle")
     teacher = LlamaTeacher.from_gguf(args.gguf, device=device)
     parse(args, teacher.config.context_length)
     try:

@@ -4,7 +4,7 @@ import json
 import os
 import platform
 
-from dsa.commands.options import checkpoint_errors
+from dsa.commands.options import add_device_argument, checkpoint_errors, device_from_args
 from dsa.model.preset_names import PRESET_NAMES
 from dsa.quality.choices import SWEEP, TEACHER_PRESETS
 
@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--topk", help="comma-separated k values for the sweep (default: the powers of two from "
                    f"{SWEEP[0]} to {SWEEP[-1]} below the context, the model's own index_topk always added; "
                    "teacher mode: 64,...,2048)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    add_device_argument(p)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--out", default="recall-out", help="folder for recall.json (quality.json) and the plots "
                    "(default: %(default)s)")
@@ -59,13 +59,13 @@ def run(args) -> int:
     from dsa.quality.recall import load_tokens, measure, plot, summary
 
     require_matplotlib("dsa recall")
+    device = device_from_args(args, "recall")
     if args.teacher:
         from dsa.quality.teacher_recall import run as run_teacher
         return run_teacher(args)
 
     args.context = 1024 if args.context is None else args.context
     args.queries = 32 if args.queries is None else args.queries
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.checkpoint:
         with checkpoint_errors("recall", args.checkpoint):

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from dsa.commands.options import add_model_arguments, llm_from_args
+from dsa.commands.options import add_model_arguments, device_from_args, llm_from_args
 from dsa.model.preset_names import PRESET_NAMES
 
 
@@ -55,6 +55,7 @@ def run(args) -> int:
                                  ("--request-timeout", args.request_timeout, 1e-9), ("--tp", args.tp, 1)):
         if value is not None and not value >= minimum:
             raise SystemExit(f"dsa serve: {flag} must be {'positive' if minimum else 'at least 0'}, got {value}")
+    device_from_args(args, "serve")
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         raise SystemExit(f"dsa serve: needs {' and '.join(missing)}; install the extra with "
