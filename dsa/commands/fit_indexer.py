@@ -1,6 +1,7 @@
 """``python -m dsa fit-indexer``: fit lightning indexers to a frozen GGUF teacher (:mod:`dsa.quality.fit`)."""
 import json
 import os
+import time
 
 from dsa.commands.options import add_device_argument, device_from_args
 
@@ -18,7 +19,9 @@ def add_parser(sub) -> None:
     p.add_argument("--min-position", type=int, default=256, help="queries are drawn from [this, context) "
                    "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps at most (default: %(default)s)")
-    p.add_argument("--max-minutes", type=float, help="stop after this much training time")
+    p.add_argument("--max-minutes", type=float, help="a bound on the whole command: loading, the held-out KL "
+                   "before training (on the windows that fit in a fifth of it), training, and the KL after "
+                   "(default: none, --steps decides)")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (default: %(default)s)")
     p.add_argument("--eval-windows", type=int, default=2, help="held-out windows per file for the KL "
@@ -34,6 +37,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    t_start = time.perf_counter()
     import torch
 
     from dsa.bench.harness import env_info
@@ -43,6 +47,8 @@ def run(args) -> int:
     from dsa.quality.teacher import LlamaTeacher
 
     device = device_from_args(args, "fit-indexer")
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        raise SystemExit(f"dsa fit-indexer: --max-minutes must be positive, got {args.max_minutes}")
     teacher = LlamaTeacher.from_gguf(args.gguf, device=device)
     layers = parse_layers(args.layers, teacher.config.num_layers)
     context = min(args.context, teacher.config.context_length)
@@ -53,7 +59,8 @@ def run(args) -> int:
                            for w in windows(s, context, args.eval_windows))]
     indexers, record = fit(teacher, layers, streams, batches, heads=args.index_heads, context=context,
                            queries=args.queries, min_position=args.min_position, steps=args.steps,
-                           max_seconds=None if args.max_minutes is None else 60 * args.max_minutes, lr=args.lr,
+                           max_seconds=None if args.max_minutes is None
+                           else max(0.0, 60 * args.max_minutes - (time.perf_counter() - t_start)), lr=args.lr,
                            warmup=args.warmup, seed=args.seed)
     os.makedirs(args.out, exist_ok=True)
     meta = {"teacher": teacher.config.name, "steps": record["steps"], "context": context, "lr": args.lr}
@@ -66,8 +73,14 @@ def run(args) -> int:
     png = plot_curve(record, args.out, f"indexer warm-up on {teacher.config.name}\n{len(layers)} layers, HI="
                      f"{args.index_heads}, {context} tokens/step, lr {args.lr}")
     kl0, kl1 = record["heldout_kl_before"], record["heldout_kl_after"]
+    held = record["heldout_windows"]
+    if held["given"]:
+        used = held["after"] if record["steps"] else held["before"]
+        print(f"held-out KL on {used} of {held['given']} windows"
+              + (" (the others did not fit in --max-minutes)" if used < held["given"] else "")
+              + ("" if record["steps"] else "; no training step fit in --max-minutes after it"))
     if kl1:
         print("held-out KL per layer (before -> after): " + ", ".join(f"{i}: {kl0[i]:.3f} -> {kl1[i]:.3f}" for i in kl1))
-    print(f"{record['steps']} steps in {record['train_seconds']} s; wrote {len(paths)} indexers, fit.json and "
-          f"{os.path.basename(png)} to {args.out}")
+    print(f"{record['steps']} steps in {record['train_seconds']} s ({time.perf_counter() - t_start:.0f} s in all); "
+          f"wrote {len(paths)} indexers, fit.json and {os.path.basename(png)} to {args.out}")
     return 0
