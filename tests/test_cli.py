@@ -171,3 +171,58 @@ def test_gpu_is_cuda(value, want, monkeypatch):
     args.device = "cuda:2"
     with pytest.raises(SystemExit, match=r"--device cuda:2: there are 2 CUDA devices \(cuda:0 to cuda:1\)$"):
         device_from_args(args, "demo")
+
+
+@pytest.mark.parametrize("command", ["recall", "needle", "fit-indexer", "bench"])
+def test_results_go_under_out_by_default(command):
+    out = next(a for a in _subparsers()[command]._actions if "--out" in a.option_strings)
+    assert out.default.startswith("out/"), f"dsa {command} --out defaults to {out.default}, inside the checkout"
+
+
+def _existing(tmp_path, name):
+    (tmp_path / name).write_text("{}")
+    return str(tmp_path / name)
+
+
+OVERWRITES = {  # case -> (argv given tmp_path, the flag the refusal names, the existing file)
+    "demo": lambda t: (["demo", "--device", "cpu", "--json", _existing(t, "demo.json")], "--json", "demo.json"),
+    "recall": lambda t: (["recall", "--device", "cpu", "--out", str(t)], "--out", "recall.json"),
+    "recall-teacher": lambda t: (["recall", "--teacher", "--text", "x.npy", "--out", str(t)], "--out", "quality.json"),
+    "needle": lambda t: (["needle", "--text", "x.npy", "--device", "cpu", "--out", str(t)], "--out",
+                         "needle_accuracy.png"),
+    "bench-serve": lambda t: (["bench", "serve", "--preset", "tiny", "--device", "cpu", "--json",
+                               _existing(t, "serve.json")], "--json", "serve.json"),
+    "bench-plot": lambda t: (["bench", "plot", "--figures", str(t)], "--figures", "dsa_vs_dense.png"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVERWRITES))
+def test_an_existing_result_file_is_refused_before_any_work(case, tmp_path, monkeypatch):
+    argv, flag, name = OVERWRITES[case](tmp_path)
+    _existing(tmp_path, name)
+    import dsa.model.model
+    monkeypatch.setattr(dsa.model.model.DSAModel, "random", lambda *a, **k: pytest.fail("worked before refusing"))
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    message = str(e.value.code)
+    assert message == f"dsa {' '.join(argv[:2]) if case.startswith('bench') else argv[0]}: {flag}: " \
+                      f"{tmp_path / name} exists; give another {flag}, or --overwrite to replace it", message
+
+
+def test_fit_indexer_refuses_an_existing_indexer_file(tmp_path, monkeypatch):
+    from tests.quality_utils import write_tiny_gguf
+    write_tiny_gguf(tmp_path / "tiny.gguf", seed=0)
+    (tmp_path / "fit").mkdir()
+    _existing(tmp_path / "fit", "layer_01.safetensors")
+    import dsa.quality.fit
+    monkeypatch.setattr(dsa.quality.fit, "fit", lambda *a, **k: pytest.fail("trained before refusing"))
+    with pytest.raises(SystemExit, match=r"^dsa fit-indexer: --out: .*layer_01.safetensors exists; give another --out"):
+        main(["fit-indexer", "--gguf", str(tmp_path / "tiny.gguf"), "--train", "x.npy", "--device", "cpu",
+              "--out", str(tmp_path / "fit")])
+
+
+def test_overwrite_replaces_a_result_file(tmp_path):
+    _existing(tmp_path, "recall.json")
+    assert main(["recall", "--device", "cpu", "--context", "256", "--queries", "4", "--topk", "64", "--out",
+                 str(tmp_path), "--overwrite"]) == 0
+    assert "by_k" in (tmp_path / "recall.json").read_text()

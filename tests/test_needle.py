@@ -230,4 +230,4 @@ def test_needle_cli_json_figure_and_errors(tiny, tmp_path, capsys):
                            (["--samples", "0"], "--samples"), (["--lengths", "1k"], "--lengths"),
                            (["--rules", "dense,random"], "--rules: random")):
         with pytest.raises(SystemExit, match=message):
-            main(["needle", "--gguf", str(path), "--text", str(tmp_path / "filler.npy"), "--out", str(out), *flags])
+            main(["needle", "--gguf", str(path), "--text", str(tmp_path / "filler.npy"), "--out", str(tmp_path / "o2"), *flags])

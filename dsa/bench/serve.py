@@ -389,10 +389,15 @@ def device_slug(args) -> str:
     return "cpu"
 
 
+def result_path(args, date: str) -> str:
+    """``--json``, else ``<--out>/{serve,soak}-<gpu or cpu>-<date>.json``."""
+    return args.json or os.path.join(args.out, f"{'soak' if args.soak else 'serve'}-{device_slug(args)}-{date}.json")
+
+
 def _soak_report(args, server: dict, rows: list, summary: dict, duration: float) -> int:
     from dsa.bench.harness import env_info
     env = env_info()
-    path = args.json or os.path.join(args.out, f"soak-{device_slug(args)}-{env['date']}.json")
+    path = result_path(args, env["date"])
     given = {k: (None if v == float("inf") else v) for k, v in vars(args).items() if k != "func"}
     doc = {"op": "serve-soak", "env": env, "args": given, "server": server, "duration_s": duration,
            "summary": summary, "rows": rows}
@@ -466,7 +471,7 @@ def run(args) -> int:
     if args.ignore_eos and summary["short_outputs"]:
         print(f"warning: --ignore-eos: {summary['short_outputs']} requests ended before max_tokens")
     env = env_info()
-    path = args.json or os.path.join(args.out, f"serve-{device_slug(args)}-{env['date']}.json")
+    path = result_path(args, env["date"])
     given = {k: (None if v == float("inf") else v) for k, v in vars(args).items() if k != "func"}
     doc = {"op": "serve", "env": env, "args": given,
            "server": server, "summary": summary,

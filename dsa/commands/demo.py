@@ -7,7 +7,8 @@ on CPU; random weights, seed 0: the tokens are not language). The prompt is pref
 import json
 import time
 
-from dsa.commands.options import add_device_argument, checkpoint_errors, device_from_args
+from dsa.commands.options import (add_device_argument, add_overwrite_argument, checkpoint_errors, device_from_args,
+                                  refuse_to_overwrite)
 
 
 def add_parser(sub) -> None:
@@ -21,7 +22,8 @@ def add_parser(sub) -> None:
     add_device_argument(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each: start with "
                    "torchrun --nproc-per-node N -m dsa demo --tp N (default: %(default)s)")
-    p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--json", help="also write the results to this JSON file (default: none)")
+    add_overwrite_argument(p)
     p.set_defaults(func=run)
 
 
@@ -46,6 +48,7 @@ def run(args) -> int:
     from dsa.kernels.common import cdiv
 
     device = device_from_args(args, "demo")
+    refuse_to_overwrite("demo", "--json", [args.json] if args.json else [], args.overwrite)
     context = args.context if args.context is not None else (32768 if device.type == "cuda" else 4096)
     for flag, value in (("--context", context), ("--new-tokens", args.new_tokens), ("--batch", args.batch),
                         ("--max-batch-tokens", args.max_batch_tokens)):

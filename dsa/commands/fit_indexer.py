@@ -3,7 +3,7 @@ import json
 import os
 import time
 
-from dsa.commands.options import add_device_argument, device_from_args
+from dsa.commands.options import add_device_argument, add_overwrite_argument, device_from_args, refuse_to_overwrite
 
 
 def add_parser(sub) -> None:
@@ -31,8 +31,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="windows, queries and the indexers' initialization "
                    "(default: %(default)s)")
     add_device_argument(p)
-    p.add_argument("--out", default="fit-out", help="folder for layer_XX.safetensors, fit.json, "
+    p.add_argument("--out", default="out/fit-indexer", help="folder for layer_XX.safetensors, fit.json, "
                    "fit_loss.png (default: %(default)s)")
+    add_overwrite_argument(p)
     p.set_defaults(func=run)
 
 
@@ -43,7 +44,7 @@ def run(args) -> int:
     from dsa.bench.harness import env_info
     from dsa.quality.fit import fit, parse_layers, plot_curve, sample_queries
     from dsa.quality.corpus import read_streams, windows
-    from dsa.quality.selection import save_indexer
+    from dsa.quality.selection import indexer_file, save_indexer
     from dsa.quality.teacher import LlamaTeacher
 
     device = device_from_args(args, "fit-indexer")
@@ -51,6 +52,8 @@ def run(args) -> int:
         raise SystemExit(f"dsa fit-indexer: --max-minutes must be positive, got {args.max_minutes}")
     teacher = LlamaTeacher.from_gguf(args.gguf, device=device)
     layers = parse_layers(args.layers, teacher.config.num_layers)
+    names = ("fit.json", "fit_loss.png", *map(indexer_file, layers))
+    refuse_to_overwrite("fit-indexer", "--out", [os.path.join(args.out, n) for n in names], args.overwrite)
     context = min(args.context, teacher.config.context_length)
     streams = read_streams(args.train, teacher.tokenizer, min_tokens=context)
     g = torch.Generator().manual_seed(args.seed + 1)

@@ -5,7 +5,7 @@ import os
 import platform
 import time
 
-from dsa.commands.options import add_device_argument, device_from_args
+from dsa.commands.options import add_device_argument, add_overwrite_argument, device_from_args, refuse_to_overwrite
 from dsa.quality.choices import RULES, TASKS
 
 
@@ -22,8 +22,9 @@ def add_parser(sub) -> None:
     p.add_argument("--rules", default=",".join(RULES), help="comma list of %(default)s (default: all)")
     p.add_argument("--seed", type=int, default=0, help="samples and filler windows (default: %(default)s)")
     add_device_argument(p)
-    p.add_argument("--out", default="needle-out", help="folder for needle.json and needle_accuracy.png "
+    p.add_argument("--out", default="out/needle", help="folder for needle.json and needle_accuracy.png "
                    "(default: %(default)s)")
+    add_overwrite_argument(p)
     p.set_defaults(func=run)
 
 
@@ -62,7 +63,7 @@ def run(args) -> int:
     from dsa.bench.plot import require_matplotlib
     from dsa.indexer import LightningIndexer
     from dsa.quality.corpus import read_streams, sample_window
-    from dsa.quality.needle import plot, samples, score, selection_rules, summarize, table_text
+    from dsa.quality.needle import FIGURE, plot, samples, score, selection_rules, summarize, table_text
     from dsa.quality.selection import PACKAGED, load_indexers, rope_tables
     from dsa.quality.teacher import LlamaTeacher
 
@@ -70,6 +71,7 @@ def run(args) -> int:
     parse(args)
     t_start = time.perf_counter()
     device = device_from_args(args, "needle")
+    refuse_to_overwrite("needle", "--out", [os.path.join(args.out, n) for n in ("needle.json", FIGURE)], args.overwrite)
     teacher = LlamaTeacher.from_gguf(args.gguf, device=device)
     parse(args, teacher.config.context_length)
     try:

@@ -19,6 +19,19 @@ def add_model_arguments(p) -> None:
                    "(default: %(default)s)")
 
 
+def add_overwrite_argument(p) -> None:
+    p.add_argument("--overwrite", action="store_true", help="replace result files that exist (default: refuse, "
+                   "so that no run writes over another's, or over a committed one)")
+
+
+def refuse_to_overwrite(command: str, flag: str, paths, overwrite: bool) -> None:
+    """Before any work: one line naming ``flag`` when a file of ``paths`` exists, unless ``overwrite``."""
+    existing = [p for p in paths if os.path.exists(p)]
+    if existing and not overwrite:
+        raise SystemExit(f"dsa {command}: {flag}: {existing[0]} exists; give another {flag}, or --overwrite to "
+                         "replace it")
+
+
 def add_device_argument(p) -> None:
     p.add_argument("--device", help=DEVICE_HELP)
 

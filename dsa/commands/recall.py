@@ -4,7 +4,8 @@ import json
 import os
 import platform
 
-from dsa.commands.options import add_device_argument, checkpoint_errors, device_from_args
+from dsa.commands.options import (add_device_argument, add_overwrite_argument, checkpoint_errors, device_from_args,
+                                  refuse_to_overwrite)
 from dsa.model.preset_names import PRESET_NAMES
 from dsa.quality.choices import SWEEP, TEACHER_PRESETS
 
@@ -25,8 +26,9 @@ def add_parser(sub) -> None:
                    "teacher mode: 64,...,2048)")
     add_device_argument(p)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--out", default="recall-out", help="folder for recall.json (quality.json) and the plots "
+    p.add_argument("--out", default="out/recall", help="folder for recall.json (quality.json) and the plots "
                    "(default: %(default)s)")
+    add_overwrite_argument(p)
     add_teacher_arguments(p)
     p.set_defaults(func=run)
 
@@ -60,6 +62,10 @@ def run(args) -> int:
 
     require_matplotlib("dsa recall")
     device = device_from_args(args, "recall")
+    from dsa.quality.recall import FIGURES
+    from dsa.quality.teacher_recall import FILES
+    names = FILES if args.teacher else ("recall.json", *FIGURES)
+    refuse_to_overwrite("recall", "--out", [os.path.join(args.out, n) for n in names], args.overwrite)
     if args.teacher:
         from dsa.quality.teacher_recall import run as run_teacher
         return run_teacher(args)

@@ -29,6 +29,7 @@ from dsa.quality.choices import TEACHER_PRESETS
 
 METHODS = ("fitted_fp8", "fitted_exact", "oracle", "sink_recent", "untrained")
 PATTERNS = (1, 2, 4)
+FILES = ("quality.json", "quality_by_layer.png", "quality_by_k.png", "sparse_loss.png")  # what run() writes
 PASSKEY = " The pass key is {key}. Remember it. "
 QUESTION = " What is the pass key? The pass key is {key}"
 
@@ -238,7 +239,7 @@ def plot(result: dict, out_dir: str) -> list:
     bx.set(xlabel="layer", ylabel="target in the top-64 (share of queries)", ylim=(-0.02, 1.02))
     if bx.get_legend_handles_labels()[0]:
         bx.legend(fontsize=8, ncol=2)
-    paths.append(save_figure(fig, out_dir, "quality_by_layer.png"))
+    paths.append(save_figure(fig, out_dir, FILES[1]))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     by_k = result["summary"]["by_k"]
@@ -253,7 +254,7 @@ def plot(result: dict, out_dir: str) -> list:
     ax.set_xticks(ks, [str(k) for k in ks])
     ax.minorticks_off()
     ax.legend(fontsize=8)
-    paths.append(save_figure(fig, out_dir, "quality_by_k.png"))
+    paths.append(save_figure(fig, out_dir, FILES[2]))
 
     sp = result.get("sparse_loss")
     if sp:
@@ -268,7 +269,7 @@ def plot(result: dict, out_dir: str) -> list:
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.minorticks_off()
         ax.legend(fontsize=8)
-        paths.append(save_figure(fig, out_dir, "sparse_loss.png"))
+        paths.append(save_figure(fig, out_dir, FILES[3]))
     return paths
 
 
@@ -372,7 +373,7 @@ def run(args) -> int:
               "sequences": {"prose": len(prose), "copy": len(copies), "passkey": len(keys)},
               "table": rows, "summary": summary}
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "quality.json")
+    path = os.path.join(args.out, FILES[0])
     save(result, path, t_start)  # the recall table stands on its own if the sparse loss is cut short
     print(summary_text(result), flush=True)
     if args.sparse_loss:
