@@ -78,10 +78,12 @@ def run(args) -> int:
     kl0, kl1 = record["heldout_kl_before"], record["heldout_kl_after"]
     held = record["heldout_windows"]
     if held["given"]:
-        used = held["after"] if record["steps"] else held["before"]
-        print(f"held-out KL on {used} of {held['given']} windows"
-              + (" (the others did not fit in --max-minutes)" if used < held["given"] else "")
-              + ("" if record["steps"] else "; no training step fit in --max-minutes after it"))
+        used = held["after"] or held["before"]
+        print(f"held-out KL on {used} of {held['given']} windows" if used else
+              f"held-out KL: none of the {held['given']} windows fit in its share of --max-minutes",
+              end=" (the others did not fit in --max-minutes)\n" if 0 < used < held["given"] else "\n")
+    if not record["steps"]:
+        print("no training step fit in --max-minutes")
     if kl1:
         print("held-out KL per layer (before -> after): " + ", ".join(f"{i}: {kl0[i]:.3f} -> {kl1[i]:.3f}" for i in kl1))
     print(f"{record['steps']} steps in {record['train_seconds']} s ({time.perf_counter() - t_start:.0f} s in all); "

@@ -39,8 +39,13 @@ def sample_queries(t: int, n: int, low: int, generator: torch.Generator) -> torc
     return (torch.randperm(t - low, generator=generator)[:n] + low).sort().values
 
 
-def teacher_targets(teacher, ids, layers, queries) -> dict:
-    """``{layer: (x [T, hidden], probs [Q, T])}`` from one frozen teacher pass (stops after the last layer)."""
+class OutOfTime(Exception):
+    """A teacher pass given ``until`` passed it (checked after each layer) and was abandoned."""
+
+
+def teacher_targets(teacher, ids, layers, queries, until=None, clock=time.perf_counter) -> dict:
+    """``{layer: (x [T, hidden], probs [Q, T])}`` from one frozen teacher pass (stops after the last layer);
+    with ``until`` (a ``clock()`` time) it raises :class:`OutOfTime` after the layer that passes it."""
     from dsa.quality.teacher import attention_probs
 
     wanted, out = set(layers), {}
@@ -48,6 +53,8 @@ def teacher_targets(teacher, ids, layers, queries) -> dict:
     def observe(i, x, q, k):
         if i in wanted:
             out[i] = (x, attention_probs(q, k, queries))
+        if until is not None and clock() > until:
+            raise OutOfTime
     teacher.hidden(ids, layers=max(layers) + 1, observe=observe)
     return out
 
@@ -56,7 +63,7 @@ def heldout_kl(teacher, indexers, batches, cos, sin, *, until=None, clock=time.p
                progress=False) -> list:
     """The warm-up KL per layer on each fixed held-out ``(ids, queries)`` batch (exact logits), in order:
     ``[{layer: kl}]``. With ``until`` (a ``clock()`` time) a batch starts only while the mean time of
-    those before it still fits (the first always starts): fewer rows than batches then."""
+    those before it still fits, and one that passes it is abandoned between layers: fewer rows then."""
     from dsa.quality.selection import indexer_logits, warmup_kl
 
     rows, t0 = [], clock()
@@ -64,8 +71,12 @@ def heldout_kl(teacher, indexers, batches, cos, sin, *, until=None, clock=time.p
         for ids, queries in batches:
             if rows and until is not None and clock() + (clock() - t0) / len(rows) > until:
                 break
+            try:
+                targets = teacher_targets(teacher, ids, list(indexers), queries, until, clock)
+            except OutOfTime:
+                break
             rows.append({i: float(warmup_kl(indexer_logits(indexers[i], x, queries, cos, sin, "exact"), probs))
-                         for i, (x, probs) in teacher_targets(teacher, ids, list(indexers), queries).items()})
+                         for i, (x, probs) in targets.items()})
             bar.update(1)
     return rows
 
@@ -81,8 +92,9 @@ def fit(teacher, layers, streams, heldout_batches, *, heads=4, context=8192, que
     ``max_seconds`` bounds the whole call (``clock`` reads the time): the held-out KL before training
     evaluates the windows that fit in ``EVAL_SHARE`` of it; a step starts only while the mean step
     and the evaluation after (the same windows, timed before) still fit; the evaluation after stops
-    at the budget (its first window always runs). Before and after are reported on the windows both
-    evaluated. Each phase may overrun by one window or step, whose time it could not know beforehand."""
+    at the budget. A window or step whose teacher pass outlasts its phase is abandoned between two
+    layers, so no phase overruns by more than one layer's pass and the step after it (the backward).
+    Before and after are reported on the windows both evaluated."""
     from dsa.indexer import LightningIndexer
     from dsa.quality.corpus import sample_window
     from dsa.quality.selection import indexer_config, indexer_logits, rope_tables, warmup_kl
@@ -110,7 +122,10 @@ def fit(teacher, layers, streams, heldout_batches, *, heads=4, context=8192, que
             break
         ids = sample_window(streams, context, g)
         q = sample_queries(context, queries, min_position, g).to(device)
-        targets = teacher_targets(teacher, ids, layers, q)
+        try:
+            targets = teacher_targets(teacher, ids, layers, q, None if end is None else end - reserve, clock)
+        except OutOfTime:
+            break
         losses = {i: warmup_kl(indexer_logits(indexers[i], x, q, cos, sin, "exact"), probs)
                   for i, (x, probs) in targets.items()}
         opt.zero_grad(set_to_none=True)
@@ -126,7 +141,7 @@ def fit(teacher, layers, streams, heldout_batches, *, heads=4, context=8192, que
     seconds = clock() - t0
     after = heldout_kl(teacher, indexers, heldout_batches[:len(before)], cos, sin, clock=clock, progress=progress,
                        until=end, desc="held-out KL after") if done else []
-    common = len(after) if done else len(before)
+    common = len(after) if after else len(before)
     record = {"steps": done, "train_seconds": round(seconds, 1), "seconds": round(clock() - start, 1),
               "max_seconds": max_seconds, "tokens_seen": done * context, "query_rows_per_layer": done * queries,
               "curve": curve, "heldout_windows": {"given": len(heldout_batches), "before": len(before),
