@@ -10,8 +10,8 @@ import torch
 
 from dsa.cli import main
 from dsa.indexer import LightningIndexer
-from dsa.quality import needle
-from dsa.quality.corpus import sample_window
+from dsa.quality import choices, needle
+from dsa.quality.corpus import read_streams, sample_window
 from dsa.quality.selection import indexer_config, rope_tables, save_indexer
 from dsa.quality.teacher import LlamaTeacher, selection_mask
 from tests.quality_utils import write_tiny_gguf
@@ -127,7 +127,7 @@ def test_rules_select_k_causal_positions(tiny):
     t, k = 96, 12
     idx = {i: LightningIndexer(indexer_config(teacher.config, 2)).to(torch.bfloat16) for i in (0, 1)}
     cos, sin = rope_tables(idx[0].config, t, "cpu")
-    rules = needle.selection_rules(needle.RULES, k, teacher, idx, cos, sin)
+    rules = needle.selection_rules(choices.RULES, k, teacher, idx, cos, sin)
     masks = _masks(teacher, rules, torch.randint(3, 200, (t,), generator=torch.Generator().manual_seed(0)))
     assert masks["dense"] is None
     causal = torch.ones(t, t, dtype=torch.bool).tril()
@@ -147,7 +147,7 @@ def test_k_of_the_whole_context_scores_as_dense(tiny):
     s = needle.build("passkey", 320, 0.5, "number", lambda n: sample_window(streams, n, g), teacher.tokenizer, g)
     idx = {i: LightningIndexer(indexer_config(teacher.config, 2)).to(torch.bfloat16) for i in (0, 1)}
     cos, sin = rope_tables(idx[0].config, 320, "cpu")
-    got = {n: needle.score(teacher, s, r) for n, r in needle.selection_rules(needle.RULES, 320, teacher, idx, cos, sin).items()}
+    got = {n: needle.score(teacher, s, r) for n, r in needle.selection_rules(choices.RULES, 320, teacher, idx, cos, sin).items()}
     for n in ("oracle", "fitted", "sink_recent"):
         assert got[n]["retrieved"] == got["dense"]["retrieved"]
         assert got[n]["logprob"] == pytest.approx(got["dense"]["logprob"], abs=1e-3), n
@@ -173,6 +173,36 @@ def test_smollm2_dense_retrieves_a_needle_in_a_short_context():
     assert not sr["retrieved"]  # the needle is ~250 tokens outside the last 28
 
 
+# ---- the filler streams ---------------------------------------------------------------------------------
+def _three_streams(tmp_path):
+    paths = []
+    for name, n in (("moby", 3000), ("sotu", 2000), ("linux", 5000)):
+        np.save(tmp_path / f"{name}.npy", np.arange(n, dtype=np.uint16) + len(paths) * 10000)
+        paths.append(str(tmp_path / f"{name}.npy"))
+    return paths
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0)], ids=["moby-sotu-linux", "linux-moby-sotu",
+                                                                          "sotu-linux-moby"])
+def test_streams_and_windows_do_not_depend_on_the_order_of_the_paths(tmp_path, order):
+    paths = _three_streams(tmp_path)
+    streams = read_streams([paths[i] for i in order])
+    assert list(streams) == ["linux", "moby", "sotu"], f"streams in the order {list(streams)}"
+    reference = read_streams(paths)
+    g, g_ref = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for _ in range(20):
+        got, want = sample_window(streams, 256, g), sample_window(reference, 256, g_ref)
+        assert torch.equal(got, want), f"paths in the order {order}: another window ({got[0]} vs {want[0]})"
+
+
+def test_two_streams_of_one_name_are_refused(tmp_path):
+    paths = _three_streams(tmp_path)
+    (tmp_path / "b").mkdir()
+    np.save(tmp_path / "b" / "moby.npy", np.arange(2000, dtype=np.uint16))
+    with pytest.raises(ValueError, match="two files named 'moby'"):
+        read_streams([*paths, str(tmp_path / "b" / "moby.npy")])
+
+
 # ---- the command ---------------------------------------------------------------------------------------
 def test_needle_cli_json_figure_and_errors(tiny, tmp_path, capsys):
     path, teacher = tiny
@@ -186,9 +216,9 @@ def test_needle_cli_json_figure_and_errors(tiny, tmp_path, capsys):
     assert result["command"].startswith("dsa needle --gguf") and result["args"]["lengths"] == [768, 1024]
     assert len(result["records"]) == 3 * 2 * 2 and {r["k"] for r in result["records"]} == {48, 64}
     rows = result["summary"]["by_task_length"]
-    assert [(r["task"], r["length"]) for r in rows] == [(t, n) for t in needle.TASKS for n in (768, 1024)]
+    assert [(r["task"], r["length"]) for r in rows] == [(t, n) for t in choices.TASKS for n in (768, 1024)]
     for r in rows:
-        assert set(r["rules"]) == set(needle.RULES) and r["n"] == 2
+        assert set(r["rules"]) == set(choices.RULES) and r["n"] == 2
         for c in r["rules"].values():
             assert c["low"] <= c["accuracy"] <= c["high"] and c["logprob"] <= 0
     assert {r["depth"] for r in result["summary"]["by_task_depth"]} == {0.1, 0.2}
@@ -200,4 +230,4 @@ def test_needle_cli_json_figure_and_errors(tiny, tmp_path, capsys):
                            (["--samples", "0"], "--samples"), (["--lengths", "1k"], "--lengths"),
                            (["--rules", "dense,random"], "--rules: random")):
         with pytest.raises(SystemExit, match=message):
-            main(["needle", "--gguf", str(path), "--text", str(tmp_path / "filler.npy"), "--out", str(out), *flags])
+            main(["needle", "--gguf", str(path), "--text", str(tmp_path / "filler.npy"), "--out", str(tmp_path / "o2"), *flags])

@@ -170,6 +170,69 @@ def test_indexer_files_round_trip(tiny, tmp_path):
         load_indexers(str(tmp_path / "empty"), teacher.config)
 
 
+# ---- the warm-up fit's time budget ---------------------------------------------------------------------
+class FakeClock:
+    """Each layer of a teacher pass (a held-out window or a training step) takes ``layer_s`` seconds,
+    nothing else any."""
+
+    def __init__(self, teacher, monkeypatch, layer_s):
+        self.now = 0.0
+        real = type(teacher).hidden
+
+        def hidden(this, ids, layers=None, select=None, observe=None):
+            def tick(*a):
+                self.now += layer_s
+                if observe is not None:
+                    observe(*a)
+            return real(this, ids, layers=layers, select=select, observe=tick)
+        monkeypatch.setattr(type(teacher), "hidden", hidden)
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("budget,before,steps,after", [(100.0, 2, 6, 2), (50.0, 1, 3, 1), (45.0, 0, 3, 0),
+                                                       (4.0, 0, 0, 0), (None, 4, 7, 4)],
+                         ids=["room-for-6-steps", "tight", "a-window-does-not-fit-its-share", "nothing-fits",
+                              "no-budget"])
+def test_max_seconds_bounds_evaluation_and_training(tiny, monkeypatch, budget, before, steps, after):
+    """5 s per layer, 2 layers: with 100 s the KL before gets a fifth (2 windows of 4 in 20 s), training
+    keeps 2 windows' time for the KL after, which evaluates the same windows; a pass that outlasts its
+    phase is abandoned after a layer, so nothing runs more than one layer past the budget."""
+    from dsa.quality.fit import fit, sample_queries
+    _, info, teacher = tiny
+    g = torch.Generator().manual_seed(0)
+    train = {"train": np.random.default_rng(0).integers(0, info["vocab"], 2000)}
+    held = [(torch.randint(0, info["vocab"], (128,), generator=g), sample_queries(128, 8, 16, g)) for _ in range(4)]
+    clock = FakeClock(teacher, monkeypatch, layer_s=5.0)
+    _, record = fit(teacher, [0, 1], train, held, heads=2, context=128, queries=8, min_position=16, steps=7,
+                    max_seconds=budget, seed=0, progress=False, clock=clock)
+    got = (record["heldout_windows"]["before"], record["steps"], record["heldout_windows"]["after"])
+    assert got == (before, steps, after), f"budget {budget}: (before, steps, after) = {got}, ended at {clock.now} s"
+    if budget is not None:
+        assert clock.now <= budget + 5.0, f"ran to {clock.now} s of a {budget} s budget"
+    assert len(record["heldout_kl_before"]) == (2 if before else 0) and bool(record["heldout_kl_after"]) == bool(after)
+
+
+def test_fit_indexer_max_minutes_writes_its_results_and_says_how_many_windows(tiny, tmp_path, monkeypatch, capsys):
+    """8 s per layer in a 90 s budget: one of 3 held-out windows fits in its fifth, 3 steps, results written."""
+    import dsa.quality.fit as fit_module
+    path, info, teacher = tiny
+    real_fit = fit_module.fit
+    monkeypatch.setattr(fit_module, "fit", lambda *a, **k: real_fit(
+        *a, **{**k, "clock": FakeClock(teacher, monkeypatch, layer_s=8.0)}))
+    np.save(tmp_path / "train.npy", np.random.default_rng(0).integers(0, info["vocab"], 1000).astype(np.uint16))
+    np.save(tmp_path / "held.npy", np.random.default_rng(1).integers(0, info["vocab"], 1000).astype(np.uint16))
+    assert main(["fit-indexer", "--gguf", str(path), "--train", str(tmp_path / "train.npy"), "--heldout",
+                 str(tmp_path / "held.npy"), "--index-heads", "2", "--context", "256", "--eval-windows", "3",
+                 "--max-minutes", "1.5", "--device", "cpu", "--out", str(tmp_path / "fit")]) == 0
+    record = json.loads((tmp_path / "fit" / "fit.json").read_text())
+    assert record["steps"] == 3 and record["heldout_windows"] == {"given": 3, "before": 1, "after": 1}, record
+    assert (tmp_path / "fit" / "fit_loss.png").exists() and (tmp_path / "fit" / "layer_01.safetensors").exists()
+    out = capsys.readouterr().out
+    assert "held-out KL on 1 of 3 windows (the others did not fit in --max-minutes)" in out, out
+
+
 # ---- the commands ------------------------------------------------------------------------------------
 def test_fit_indexer_and_recall_teacher_cli(tiny, tmp_path, capsys):
     path, info, _ = tiny

@@ -232,3 +232,12 @@ def test_script_end_to_end(tmp_path):
     bad = subprocess.run([sys.executable, script, "train", "--data", str(tmp_path / "nowhere")], capture_output=True,
                          text=True, cwd=ROOT)
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("--data: no data_manifest.json")
+
+
+def test_script_warns_before_training_on_cpu(tmp_path):
+    script = os.path.join(ROOT, "benchmarks", "train_default", "train.py")
+    done = subprocess.run([sys.executable, script, "train", "--data", str(tmp_path / "nowhere"), "--device", "cpu"],
+                          capture_output=True, text=True, cwd=ROOT)
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("train.py train: warning: training on cpu, not on the H200"), done.stderr
+    assert done.returncode != 0 and lines[-1].startswith("--data: no data_manifest.json"), done.stderr

@@ -315,6 +315,11 @@ def save_checkpoint(path: str, model, mtp, record: dict, g: torch.Generator) -> 
 def train(args) -> int:
     from dsa.quality.train import export, hf_config, indexer_params, model_config, new_model, new_mtp, selection_recall
 
+    if args.device != "cuda":
+        print(f"train.py train: warning: training on {args.device}, not on the H200 this run is sized for; its "
+              "bf16 matmuls (762 TFLOP/s measured) are thousands of times a CPU's, so each stage's --*-minutes "
+              "gets a few steps here where the H200 runs thousands (for a check of the pipeline: --max-steps 2)",
+              file=sys.stderr, flush=True)
     manifest, streams, heldout = load_data(args.data)
     for ctx in args.eval_contexts:
         if ctx > args.long_context or ctx <= args.index_topk:

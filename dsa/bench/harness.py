@@ -153,10 +153,14 @@ def result_row(name: str, impl: str, shape: dict, timing: dict, ceilings: dict, 
     return row
 
 
+def result_path(op: str, env: dict, out_dir: str) -> str:
+    return os.path.join(out_dir, f"{op}-{gpu_slug(env.get('gpu', 'cpu'))}-{env['date']}.json")
+
+
 def write_result(op: str, rows: list, ceilings: dict, env: dict, out_dir: str, args: dict | None = None) -> str:
-    """Write ``<out_dir>/<op>-<gpu>-<date>.json`` and return its path."""
+    """Write ``<out_dir>/<op>-<gpu>-<date>.json`` (:func:`result_path`) and return its path."""
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{op}-{gpu_slug(env.get('gpu', 'cpu'))}-{env['date']}.json")
+    path = result_path(op, env, out_dir)
     doc = {"op": op, "env": env, "ceilings": ceilings, "args": args or {}, "rows": rows}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

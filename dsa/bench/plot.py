@@ -11,6 +11,8 @@ from collections import defaultdict
 
 from .report import load_results
 
+FIGURES = ("time_vs_context.png", "dsa_vs_dense.png")  # what plot_results writes (each when it has rows)
+
 
 def _context(shape: dict):
     return shape.get("S", shape.get("L"))
@@ -70,7 +72,7 @@ def plot_results(results: str, out_dir: str) -> list:
             ax.set(xscale="log", yscale="log", xlabel="context length", title=f"bench {op}, B=64",
                    ylabel="median us (dashed: same-run ceiling floor)")
             ax.legend(fontsize=7)
-        paths.append(save_figure(fig, out_dir, "time_vs_context.png"))
+        paths.append(save_figure(fig, out_dir, FIGURES[0]))
     layer = newest.get("layer")
     if layer:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -85,7 +87,7 @@ def plot_results(results: str, out_dir: str) -> list:
         ax.set(xscale="log", yscale="log", xlabel="context length", ylabel="median us per layer decode step",
                title="one layer's decode attention: DSA vs dense (H200)")
         ax.legend(fontsize=8)
-        paths.append(save_figure(fig, out_dir, "dsa_vs_dense.png"))
+        paths.append(save_figure(fig, out_dir, FIGURES[1]))
     return paths
 
 

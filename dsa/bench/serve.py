@@ -25,9 +25,7 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
-from dsa.model.presets import PRESETS
+from dsa.model.preset_names import PRESET_NAMES
 
 # a fixed word list: prompts are seeded draws from it
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
@@ -51,7 +49,7 @@ def add_arguments(g) -> None:
     """The serve bench's options (the model options come from ``dsa.commands.options``)."""
     g.add_argument("--url", help="a running server (e.g. http://127.0.0.1:8000); default: start "
                    "dsa serve on a free loopback port")
-    g.add_argument("--preset", choices=sorted(PRESETS), help="the started server's random-weight preset "
+    g.add_argument("--preset", choices=PRESET_NAMES, help="the started server's random-weight preset "
                    "(default: the embedded default model)")
     g.add_argument("--api-key", default=os.environ.get("DSA_API_KEY"), help="the server's key (default: "
                    "$DSA_API_KEY)")
@@ -59,7 +57,7 @@ def add_arguments(g) -> None:
     g.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default: "
                    "%(default)s)")
     g.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second "
-                   "(default: inf, each request when a slot frees)")
+                   "(default: %(default)s, each request when a slot frees)")
     g.add_argument("--concurrency-range", type=int, nargs=2, metavar=("A", "B"), help="bursts of a uniform "
                    "A..B requests sent at once, each after the last finished")
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: %(default)s)")
@@ -338,6 +336,8 @@ async def run_plan(url: str, api_key, model: str, plan: list, args) -> tuple:
 
 # ---- the report -----------------------------------------------------------------------------
 def stats(values: list) -> dict:
+    import numpy as np
+
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     a = np.asarray(values, dtype=np.float64)
@@ -389,10 +389,15 @@ def device_slug(args) -> str:
     return "cpu"
 
 
+def result_path(args, date: str) -> str:
+    """``--json``, else ``<--out>/{serve,soak}-<gpu or cpu>-<date>.json``."""
+    return args.json or os.path.join(args.out, f"{'soak' if args.soak else 'serve'}-{device_slug(args)}-{date}.json")
+
+
 def _soak_report(args, server: dict, rows: list, summary: dict, duration: float) -> int:
     from dsa.bench.harness import env_info
     env = env_info()
-    path = args.json or os.path.join(args.out, f"soak-{device_slug(args)}-{env['date']}.json")
+    path = result_path(args, env["date"])
     given = {k: (None if v == float("inf") else v) for k, v in vars(args).items() if k != "func"}
     doc = {"op": "serve-soak", "env": env, "args": given, "server": server, "duration_s": duration,
            "summary": summary, "rows": rows}
@@ -466,7 +471,7 @@ def run(args) -> int:
     if args.ignore_eos and summary["short_outputs"]:
         print(f"warning: --ignore-eos: {summary['short_outputs']} requests ended before max_tokens")
     env = env_info()
-    path = args.json or os.path.join(args.out, f"serve-{device_slug(args)}-{env['date']}.json")
+    path = result_path(args, env["date"])
     given = {k: (None if v == float("inf") else v) for k, v in vars(args).items() if k != "func"}
     doc = {"op": "serve", "env": env, "args": given,
            "server": server, "summary": summary,

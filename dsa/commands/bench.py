@@ -11,7 +11,7 @@ import os
 import shlex
 
 from dsa.bench import serve as serve_bench
-from dsa.commands.options import add_model_arguments
+from dsa.commands.options import add_model_arguments, add_overwrite_argument, device_from_args, refuse_to_overwrite
 
 TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> rows
     "indexer": "dsa.bench.indexer",
@@ -31,8 +31,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks on a CUDA GPU (ceilings, kernels, layer, engine), reports, and "
                        "serve: a load generator for dsa serve")
     p.add_argument("op", choices=["ceilings", *TIMED, "render", "plot", "serve"])
-    p.add_argument("--out", default="benchmarks/results", help="folder for the result JSON (default: %(default)s)")
-    p.add_argument("--reps", type=int, default=30, help="timed calls per row (median reported)")
+    p.add_argument("--out", default="out/bench", help="folder for the result JSON (default: %(default)s; the "
+                   "committed ones are in benchmarks/results)")
+    add_overwrite_argument(p)
+    p.add_argument("--reps", type=int, default=30, help="timed calls per row (median reported) "
+                   "(default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     p.add_argument("--variants", action="store_true",
                    help="mla, indexer, topk: also time tile, split, pipeline and sample variants of the kernels")
@@ -40,8 +43,9 @@ def add_parser(sub) -> None:
                    "torchrun --nproc-per-node N -m dsa bench engine --tp N (default: %(default)s)")
     p.add_argument("--tp-compare", action="store_true",
                    help="render: print the newest TP=1 and TP=N engine results side by side")
-    p.add_argument("--results", default="benchmarks/results", help="render, plot: folder of result JSON")
-    p.add_argument("--figures", default="benchmarks/figures", help="plot: folder for the PNGs")
+    p.add_argument("--results", default="benchmarks/results", help="render, plot: folder of result JSON "
+                   "(default: %(default)s)")
+    p.add_argument("--figures", default="benchmarks/figures", help="plot: folder for the PNGs (default: %(default)s)")
     p.add_argument("--readme", default=None, help="render: README to update between the perf markers")
     p.add_argument("--git-sha", default=None, help="record this commit (default: what git rev-parse HEAD says here)")
     g = p.add_argument_group("serve", "dsa bench serve: the server it starts (model options) and the load")
@@ -85,10 +89,16 @@ def run(args) -> int:
     if args.op == "plot":
         from dsa.bench.plot import plot_results, require_matplotlib
         require_matplotlib("dsa bench plot")
+        from dsa.bench.plot import FIGURES
+        refuse_to_overwrite("bench plot", "--figures", [os.path.join(args.figures, n) for n in FIGURES], args.overwrite)
         paths = plot_results(args.results, args.figures)
         print("wrote " + (", ".join(paths) if paths else "nothing (no result rows with a context length)"))
         return 0
     if args.op == "serve":
+        if args.url is None:  # the server it starts runs there
+            device_from_args(args, "bench serve")
+        refuse_to_overwrite("bench serve", "--json" if args.json else "--out",
+                            [serve_bench.result_path(args, env_info()["date"])], args.overwrite)
         return serve_bench.run(args)
     if args.op == "render":
         from dsa.bench.report import render_command, tp_compare_command
@@ -103,6 +113,12 @@ def run(args) -> int:
     env = env_info()
     if args.git_sha:
         env["git_sha"] = args.git_sha
+    op = args.op if args.tp == 1 else f"{args.op}-tp{args.tp}"
+    if rank0:
+        from dsa.bench.harness import gpu_slug, result_path
+        refuse_to_overwrite(f"bench {args.op}", "--out", [result_path(op, env, args.out)] + (
+            [os.path.join(args.out, f"dispatch_{gpu_slug(env['gpu'])}.json")] if args.op == "crossover" else []),
+            args.overwrite)
     say(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  git {env['git_sha'][:12]}")
     ceilings = measure_ceilings(device)
     say("ceilings: copy {copy_tbps:.2f} TB/s, bf16 {bf16_tflops:.0f} TFLOP/s (p10 {bf16_tflops_p10:.0f}), "
@@ -113,7 +129,6 @@ def run(args) -> int:
         rows = importlib.import_module(TIMED[args.op]).run(device, timer, ceilings, args)
     if not rank0:
         return 0
-    op = args.op if args.tp == 1 else f"{args.op}-tp{args.tp}"
     path = write_result(op, rows, ceilings, env, args.out,
                         args={**{k: v for k, v in vars(args).items() if k not in ("func", "argv")},
                               "command_line": command_line(args)})

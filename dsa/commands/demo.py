@@ -7,12 +7,8 @@ on CPU; random weights, seed 0: the tokens are not language). The prompt is pref
 import json
 import time
 
-import torch
-from tqdm import tqdm
-
-from dsa.commands.options import checkpoint_errors
-from dsa.config import bytes_per_token, indexer_layers, latent_format
-from dsa.kernels.common import cdiv
+from dsa.commands.options import (add_device_argument, add_overwrite_argument, checkpoint_errors, device_from_args,
+                                  refuse_to_overwrite)
 
 
 def add_parser(sub) -> None:
@@ -23,14 +19,17 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="requests generated together (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, help="rows per step, the prefill chunk (default: an eighth of "
                    "the prompt, rounded up to a block, at most 8192)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    add_device_argument(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each: start with "
                    "torchrun --nproc-per-node N -m dsa demo --tp N (default: %(default)s)")
-    p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--json", help="also write the results to this JSON file (default: none)")
+    add_overwrite_argument(p)
     p.set_defaults(func=run)
 
 
-def build_model(args, device: torch.device):
+def build_model(args, device):
+    import torch
+
     from dsa.model import DSAModel
     from dsa.model.presets import default_model
     if args.checkpoint:
@@ -40,12 +39,16 @@ def build_model(args, device: torch.device):
 
 
 def run(args) -> int:
-    from dsa.bench.harness import env_info
-    from dsa.engine import Engine, SamplingParams
+    import torch
+    from tqdm import tqdm
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("dsa demo: --device cuda asked for, but no CUDA GPU is visible")
+    from dsa.bench.harness import env_info
+    from dsa.config import bytes_per_token, indexer_layers, latent_format
+    from dsa.engine import Engine, SamplingParams
+    from dsa.kernels.common import cdiv
+
+    device = device_from_args(args, "demo")
+    refuse_to_overwrite("demo", "--json", [args.json] if args.json else [], args.overwrite)
     context = args.context if args.context is not None else (32768 if device.type == "cuda" else 4096)
     for flag, value in (("--context", context), ("--new-tokens", args.new_tokens), ("--batch", args.batch),
                         ("--max-batch-tokens", args.max_batch_tokens)):

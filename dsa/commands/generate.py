@@ -7,7 +7,6 @@ import sys
 import time
 
 from dsa.commands.options import add_model_arguments, llm_from_args
-from dsa.engine.sampling import SamplingParams
 
 
 def add_parser(sub) -> None:
@@ -20,11 +19,13 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="default: %(default)s")
     p.add_argument("--top-k", type=int, default=0, help="0: no limit (default: %(default)s)")
     p.add_argument("--seed", type=int, help="sampling seed (default: random)")
-    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable; default: none)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from dsa.engine.sampling import SamplingParams
+
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   top_k=args.top_k, seed=args.seed, stop=args.stop)

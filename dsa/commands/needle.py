@@ -5,9 +5,8 @@ import os
 import platform
 import time
 
-import torch
-
-from dsa.quality.needle import RULES, TASKS
+from dsa.commands.options import add_device_argument, add_overwrite_argument, device_from_args, refuse_to_overwrite
+from dsa.quality.choices import RULES, TASKS
 
 
 def add_parser(sub) -> None:
@@ -22,9 +21,10 @@ def add_parser(sub) -> None:
     p.add_argument("--k-fraction", type=int, default=16, help="k = length / this (default: %(default)s)")
     p.add_argument("--rules", default=",".join(RULES), help="comma list of %(default)s (default: all)")
     p.add_argument("--seed", type=int, default=0, help="samples and filler windows (default: %(default)s)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--out", default="needle-out", help="folder for needle.json and needle_accuracy.png "
+    add_device_argument(p)
+    p.add_argument("--out", default="out/needle", help="folder for needle.json and needle_accuracy.png "
                    "(default: %(default)s)")
+    add_overwrite_argument(p)
     p.set_defaults(func=run)
 
 
@@ -56,20 +56,22 @@ def parse(args, context_length: int | None = None) -> None:
 
 
 def run(args) -> int:
+    import torch
     from tqdm import tqdm
 
     from dsa.bench.harness import env_info
     from dsa.bench.plot import require_matplotlib
     from dsa.indexer import LightningIndexer
     from dsa.quality.corpus import read_streams, sample_window
-    from dsa.quality.needle import plot, samples, score, selection_rules, summarize, table_text
+    from dsa.quality.needle import FIGURE, plot, samples, score, selection_rules, summarize, table_text
     from dsa.quality.selection import PACKAGED, load_indexers, rope_tables
     from dsa.quality.teacher import LlamaTeacher
 
     require_matplotlib("dsa needle")
     parse(args)
     t_start = time.perf_counter()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_from_args(args, "needle")
+    refuse_to_overwrite("needle", "--out", [os.path.join(args.out, n) for n in ("needle.json", FIGURE)], args.overwrite)
     teacher = LlamaTeacher.from_gguf(args.gguf, device=device)
     parse(args, teacher.config.context_length)
     try:

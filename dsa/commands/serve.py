@@ -17,14 +17,14 @@ import os
 import signal
 import sys
 
-from dsa.commands.options import add_model_arguments, llm_from_args
-from dsa.model.presets import PRESETS
+from dsa.commands.options import add_model_arguments, device_from_args, llm_from_args
+from dsa.model.preset_names import PRESET_NAMES
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install -e '.[serve]')")
     add_model_arguments(p)
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a random-weight preset with the byte-level tokenizer "
+    p.add_argument("--preset", choices=PRESET_NAMES, help="a random-weight preset with the byte-level tokenizer "
                    "instead of a checkpoint (default: the embedded default model, demo-gpu on CUDA, demo-cpu else)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="default: %(default)s")
@@ -55,6 +55,7 @@ def run(args) -> int:
                                  ("--request-timeout", args.request_timeout, 1e-9), ("--tp", args.tp, 1)):
         if value is not None and not value >= minimum:
             raise SystemExit(f"dsa serve: {flag} must be {'positive' if minimum else 'at least 0'}, got {value}")
+    device_from_args(args, "serve")
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         raise SystemExit(f"dsa serve: needs {' and '.join(missing)}; install the extra with "

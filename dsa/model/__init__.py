@@ -1,8 +1,22 @@
 """The model: MLA + DSA attention (:mod:`.attention`), the decoder (:mod:`.model`), one step's plan
-(:mod:`.plan`, :mod:`.dispatch`), checkpoint loading, tensor parallelism and the presets."""
-from dsa.model.absorb import absorb_kv_b
-from dsa.model.attention import DSAAttention
-from dsa.model.model import DSAModel, StepContext
-from dsa.model.plan import PATHS, BatchPlan, HostPlan
+(:mod:`.plan`, :mod:`.dispatch`), checkpoint loading, tensor parallelism and the presets.
 
-__all__ = ["BatchPlan", "DSAAttention", "DSAModel", "HostPlan", "PATHS", "StepContext", "absorb_kv_b"]
+Its public names are imported when first used, so that :mod:`dsa.model.preset_names` (what ``--help``
+lists) comes without torch."""
+import importlib
+
+_EXPORTS = {"absorb_kv_b": "dsa.model.absorb", "DSAAttention": "dsa.model.attention", "DSAModel": "dsa.model.model",
+            "StepContext": "dsa.model.model", "PATHS": "dsa.model.plan", "BatchPlan": "dsa.model.plan",
+            "HostPlan": "dsa.model.plan"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'dsa.model' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

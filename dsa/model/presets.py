@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from dsa.config import DSAConfig
+from dsa.model.preset_names import PRESET_NAMES
 
 # The byte-level tokenizer's ids: bytes 0-255, then BOS and EOS.
 BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
@@ -23,7 +24,7 @@ CPU_DEFAULT = dict(num_hidden_layers=2, hidden_size=1024, num_attention_heads=16
 GPU_DEFAULT = dict(num_hidden_layers=4, n_routed_experts=None, index_topk=2048, max_position_embeddings=163840,
                    block_size=64, **BYTE_VOCAB)
 
-PRESETS = {  # name -> a config factory
+PRESETS = {  # name -> a config factory, one for each of PRESET_NAMES (in its order)
     "tiny": lambda: DSAConfig.tiny(index_topk=64, index_topk_pattern="FSFS"),
     "demo-cpu": lambda: DSAConfig.deepseek_v32(**CPU_DEFAULT),
     "demo-gpu": lambda: DSAConfig.deepseek_v32(**GPU_DEFAULT),
@@ -45,7 +46,7 @@ def preset_model(name: str, device, dtype: torch.dtype | None = None, seed: int 
     presets with another vocabulary get the byte one), bf16 on CUDA, else fp32."""
     from dsa.model import DSAModel
     if name not in PRESETS:
-        raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
+        raise ValueError(f"preset: expected one of {', '.join(PRESET_NAMES)}, got {name!r}")
     device = torch.device(device)
     config = PRESETS[name]()
     if (config.vocab_size, config.bos_token_id, config.eos_token_id) != (BYTE_VOCAB_SIZE, BYTE_BOS_ID, BYTE_EOS_ID):

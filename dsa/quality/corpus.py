@@ -35,13 +35,20 @@ def save_tokens(ids: np.ndarray, path: str) -> None:
 
 
 def read_streams(paths, tokenizer=None, min_tokens: int = 1) -> dict:
-    """``{name: ids}`` for each path (name: the file name without its extension)."""
-    out = {}
+    """``{name: ids}`` for each path (name: the file name without its extension), in the order of the
+    names, whatever the order of ``paths`` (it decides which windows :func:`sample_window` draws)."""
+    named = {}
     for p in paths:
-        ids = read_tokens(p, tokenizer)
+        name = os.path.splitext(os.path.basename(p))[0]
+        if name in named:
+            raise ValueError(f"{named[name]} and {p}: two files named {name!r}")
+        named[name] = p
+    out = {}
+    for name in sorted(named):
+        ids = read_tokens(named[name], tokenizer)
         if len(ids) < min_tokens:
-            raise ValueError(f"{p}: {len(ids)} tokens, fewer than the {min_tokens} a window needs")
-        out[os.path.splitext(os.path.basename(p))[0]] = ids
+            raise ValueError(f"{named[name]}: {len(ids)} tokens, fewer than the {min_tokens} a window needs")
+        out[name] = ids
     return out
 
 

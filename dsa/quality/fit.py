@@ -8,13 +8,16 @@ for ``--queries`` random query positions per layer minimizes
 
 on exact-precision logits (no Hadamard, no FP8: the FP8 path is not differentiable), with Adam at
 ``--lr`` (the paper: 1e-3, 1000 steps of 16 x 128K tokens; here scaled down, bounded by ``--steps`` and
-``--max-minutes``). Writes one ``layer_XX.safetensors`` per layer (bfloat16), ``fit.json`` (arguments,
-loss curve, held-out KL before and after) and ``fit_loss.png``.
+``--max-minutes``, which bounds the whole command, the held-out KL before and after included). Writes
+one ``layer_XX.safetensors`` per layer (bfloat16), ``fit.json`` (arguments, loss curve, held-out KL
+before and after) and ``fit_loss.png``.
 """
 import time
 
 import torch
 from tqdm import tqdm
+
+EVAL_SHARE = 0.2  # of a time budget, for the held-out KL before training (the one after gets as long)
 
 
 def parse_layers(spec: str, num_layers: int) -> list:
@@ -36,8 +39,13 @@ def sample_queries(t: int, n: int, low: int, generator: torch.Generator) -> torc
     return (torch.randperm(t - low, generator=generator)[:n] + low).sort().values
 
 
-def teacher_targets(teacher, ids, layers, queries) -> dict:
-    """``{layer: (x [T, hidden], probs [Q, T])}`` from one frozen teacher pass (stops after the last layer)."""
+class OutOfTime(Exception):
+    """A teacher pass given ``until`` passed it (checked after each layer) and was abandoned."""
+
+
+def teacher_targets(teacher, ids, layers, queries, until=None, clock=time.perf_counter) -> dict:
+    """``{layer: (x [T, hidden], probs [Q, T])}`` from one frozen teacher pass (stops after the last layer);
+    with ``until`` (a ``clock()`` time) it raises :class:`OutOfTime` after the layer that passes it."""
     from dsa.quality.teacher import attention_probs
 
     wanted, out = set(layers), {}
@@ -45,29 +53,54 @@ def teacher_targets(teacher, ids, layers, queries) -> dict:
     def observe(i, x, q, k):
         if i in wanted:
             out[i] = (x, attention_probs(q, k, queries))
+        if until is not None and clock() > until:
+            raise OutOfTime
     teacher.hidden(ids, layers=max(layers) + 1, observe=observe)
     return out
 
 
-def heldout_kl(teacher, indexers, batches, cos, sin) -> dict:
-    """Mean warm-up KL per layer over fixed held-out ``(ids, queries)`` batches (exact logits)."""
+def heldout_kl(teacher, indexers, batches, cos, sin, *, until=None, clock=time.perf_counter, desc="held-out KL",
+               progress=False) -> list:
+    """The warm-up KL per layer on each fixed held-out ``(ids, queries)`` batch (exact logits), in order:
+    ``[{layer: kl}]``. With ``until`` (a ``clock()`` time) a batch starts only while the mean time of
+    those before it still fits, and one that passes it is abandoned between layers: fewer rows then."""
     from dsa.quality.selection import indexer_logits, warmup_kl
 
-    sums = {i: 0.0 for i in indexers}
-    with torch.no_grad():
+    rows, t0 = [], clock()
+    with torch.no_grad(), tqdm(total=len(batches), desc=desc, unit="window", disable=not progress) as bar:
         for ids, queries in batches:
-            for i, (x, probs) in teacher_targets(teacher, ids, list(indexers), queries).items():
-                sums[i] += float(warmup_kl(indexer_logits(indexers[i], x, queries, cos, sin, "exact"), probs))
-    return {i: s / max(1, len(batches)) for i, s in sums.items()}
+            if rows and until is not None and clock() + (clock() - t0) / len(rows) > until:
+                break
+            try:
+                targets = teacher_targets(teacher, ids, list(indexers), queries, until, clock)
+            except OutOfTime:
+                break
+            rows.append({i: float(warmup_kl(indexer_logits(indexers[i], x, queries, cos, sin, "exact"), probs))
+                         for i, (x, probs) in targets.items()})
+            bar.update(1)
+    return rows
+
+
+def _mean(rows: list) -> dict:
+    return {i: sum(r[i] for r in rows) / len(rows) for i in rows[0]} if rows else {}
 
 
 def fit(teacher, layers, streams, heldout_batches, *, heads=4, context=8192, queries=256, min_position=256,
-        steps=1000, max_seconds=None, lr=1e-3, warmup=20, seed=0, progress=True) -> tuple:
-    """Train one indexer per layer; returns ``({layer: LightningIndexer}, record)``."""
+        steps=1000, max_seconds=None, lr=1e-3, warmup=20, seed=0, progress=True, clock=time.perf_counter) -> tuple:
+    """Train one indexer per layer; returns ``({layer: LightningIndexer}, record)``.
+
+    ``max_seconds`` bounds the whole call (``clock`` reads the time): the held-out KL before training
+    evaluates the windows that fit in ``EVAL_SHARE`` of it; a step starts only while the mean step
+    and the evaluation after (the same windows, timed before) still fit; the evaluation after stops
+    at the budget. A window or step whose teacher pass outlasts its phase is abandoned between two
+    layers, so no phase overruns by more than one layer's pass and the step after it (the backward).
+    Before and after are reported on the windows both evaluated."""
     from dsa.indexer import LightningIndexer
     from dsa.quality.corpus import sample_window
     from dsa.quality.selection import indexer_config, indexer_logits, rope_tables, warmup_kl
 
+    start = clock()
+    end = None if max_seconds is None else start + max_seconds
     device = teacher.device
     cfg = indexer_config(teacher.config, heads)
     torch.manual_seed(seed)
@@ -76,14 +109,23 @@ def fit(teacher, layers, streams, heldout_batches, *, heads=4, context=8192, que
     opt = torch.optim.Adam(params, lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup)))
     cos, sin = rope_tables(cfg, max([context] + [ids.numel() for ids, _ in heldout_batches]), device)
-    before = heldout_kl(teacher, indexers, heldout_batches, cos, sin) if heldout_batches else {}
+    t_eval = clock()
+    before = heldout_kl(teacher, indexers, heldout_batches, cos, sin, clock=clock, progress=progress,
+                        until=None if end is None else t_eval + EVAL_SHARE * max_seconds, desc="held-out KL before")
+    per_window = (clock() - t_eval) / max(1, len(before))
+    reserve = per_window * len(before)  # the evaluation after, on the same windows
     g = torch.Generator().manual_seed(seed)
-    curve, t0, done = [], time.perf_counter(), 0
+    curve, t0, done = [], clock(), 0
     bar = tqdm(range(steps), desc="fit-indexer", disable=not progress)
     for step in bar:
+        if end is not None and clock() + (clock() - t0) / max(1, done) + reserve > end:
+            break
         ids = sample_window(streams, context, g)
         q = sample_queries(context, queries, min_position, g).to(device)
-        targets = teacher_targets(teacher, ids, layers, q)
+        try:
+            targets = teacher_targets(teacher, ids, layers, q, None if end is None else end - reserve, clock)
+        except OutOfTime:
+            break
         losses = {i: warmup_kl(indexer_logits(indexers[i], x, q, cos, sin, "exact"), probs)
                   for i, (x, probs) in targets.items()}
         opt.zero_grad(set_to_none=True)
@@ -91,17 +133,20 @@ def fit(teacher, layers, streams, heldout_batches, *, heads=4, context=8192, que
         opt.step()
         sched.step()
         row = {i: float(v.detach()) for i, v in losses.items()}
-        curve.append({"step": step, "seconds": round(time.perf_counter() - t0, 2),
-                      "mean_kl": sum(row.values()) / len(row), "kl": row})
-        bar.set_postfix(kl=f"{curve[-1]['mean_kl']:.3f}")
+        curve.append({"step": step, "seconds": round(clock() - t0, 2), "mean_kl": sum(row.values()) / len(row),
+                      "kl": row})
+        bar.set_postfix(kl=f"{curve[-1]['mean_kl']:.3f}", **({} if end is None else {"left": f"{end - clock():.0f}s"}))
         done = step + 1
-        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-            break
-    seconds = time.perf_counter() - t0
-    after = heldout_kl(teacher, indexers, heldout_batches, cos, sin) if heldout_batches else {}
-    record = {"steps": done, "train_seconds": round(seconds, 1), "tokens_seen": done * context,
-              "query_rows_per_layer": done * queries, "curve": curve,
-              "heldout_kl_before": before, "heldout_kl_after": after}
+    bar.close()
+    seconds = clock() - t0
+    after = heldout_kl(teacher, indexers, heldout_batches[:len(before)], cos, sin, clock=clock, progress=progress,
+                       until=end, desc="held-out KL after") if done else []
+    common = len(after) if after else len(before)
+    record = {"steps": done, "train_seconds": round(seconds, 1), "seconds": round(clock() - start, 1),
+              "max_seconds": max_seconds, "tokens_seen": done * context, "query_rows_per_layer": done * queries,
+              "curve": curve, "heldout_windows": {"given": len(heldout_batches), "before": len(before),
+                                                  "after": len(after)},
+              "heldout_kl_before": _mean(before[:common]), "heldout_kl_after": _mean(after)}
     return indexers, record
 
 

@@ -18,12 +18,12 @@ from collections import defaultdict
 
 import torch
 
+from dsa.quality.choices import TASKS
 from dsa.quality.sparse_loss import fitted_rule, oracle_rule, sink_recent_rule
 from dsa.quality.teacher_recall import PASSKEY, QUESTION as PASSKEY_QUESTION
 
-TASKS = ("needle", "multikey", "passkey")
+FIGURE = "needle_accuracy.png"  # what plot() writes
 KINDS = ("number", "word", "uuid")
-RULES = ("dense", "oracle", "fitted", "sink_recent")
 LABELS = {"dense": "dense", "oracle": "oracle top-k", "fitted": "fitted FP8 top-k", "sink_recent": "sink + recent"}
 DEPTHS = tuple(round(0.1 * d, 1) for d in range(1, 10))
 DISTRACTORS = 3  # multikey: keys besides the one asked for
@@ -231,4 +231,4 @@ def plot(result: dict, out_dir: str) -> str:
         row[0].legend(fontsize=8)
     fig.suptitle(f"{result['teacher']['name']}: retrieval with every layer restricted to k positions "
                  "(teacher-forced, 95% Wilson intervals)", fontsize=10)
-    return save_figure(fig, out_dir, "needle_accuracy.png")
+    return save_figure(fig, out_dir, FIGURE)

