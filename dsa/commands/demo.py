@@ -10,7 +10,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from dsa.commands.options import checkpoint_errors
+from dsa.commands.options import add_cpu_threads_argument, checkpoint_errors, cpu_threads_from_args
 from dsa.config import bytes_per_token, indexer_layers, latent_format
 from dsa.kernels.common import cdiv
 
@@ -24,6 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-batch-tokens", type=int, help="rows per step, the prefill chunk (default: an eighth of "
                    "the prompt, rounded up to a block, at most 8192)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    add_cpu_threads_argument(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each: start with "
                    "torchrun --nproc-per-node N -m dsa demo --tp N (default: %(default)s)")
     p.add_argument("--json", help="also write the results to this JSON file")
@@ -42,6 +43,7 @@ def build_model(args, device: torch.device):
 def run(args) -> int:
     from dsa.bench.harness import env_info
     from dsa.engine import Engine, SamplingParams
+    from dsa.engine.cpu_threads import apply_cpu_threads, describe
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -51,6 +53,8 @@ def run(args) -> int:
                         ("--max-batch-tokens", args.max_batch_tokens)):
         if value is not None and value < 1:
             raise SystemExit(f"dsa demo: {flag} must be a positive number, got {value}")
+    cpu_threads = cpu_threads_from_args(args, "demo")
+    threads = apply_cpu_threads(cpu_threads) if device.type == "cpu" or cpu_threads is not None else None
     t0 = time.perf_counter()
     model = build_model(args, device)
     cfg = model.config
@@ -105,7 +109,7 @@ def run(args) -> int:
                   "index_heads": cfg.index_n_heads, "index_topk": cfg.index_topk, "dtype": str(model.dtype),
                   "latent_cache": latent_format(cfg, model.dtype), "checkpoint": args.checkpoint},
         "batch": args.batch, "context": context, "new_tokens": args.new_tokens, "max_batch_tokens": chunk,
-        "load_s": load_s,
+        "load_s": load_s, "cpu_threads": None if threads is None else threads[0],
         "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
         "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
         "cache_bytes_per_token_dsa": dsa_bytes, "cache_bytes_per_token_dense_mla": dense_bytes,
@@ -118,7 +122,8 @@ def run(args) -> int:
         return 0
     print(f"device {result['device']}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}, {model.dtype}"
-          + (f", tensor parallel over {model.tp.size} ranks" if model.tp.size > 1 else ""))
+          + (f", tensor parallel over {model.tp.size} ranks" if model.tp.size > 1 else "")
+          + (f", {describe(*threads)}" if threads else ""))
     if model.tp.reducer is not None:
         print(f"all-reduce: {model.tp.reducer.path} ({model.tp.reducer.reason})")
     print(f"prefill: {prefill_tokens} tokens in {prefill_s:.2f} s = {result['prefill_tokens_per_s']:.0f} tokens/s")
