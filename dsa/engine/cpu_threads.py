@@ -2,8 +2,10 @@
 
 torch's own default is one OpenMP thread per CPU. Its workers spin between parallel regions, and a
 decode step is hundreds of small ones; when another process keeps a CPU busy, the thread it
-displaces holds up every region, and all threads wait for it: on a 2-core VM beside one busy
-process, 2 threads decode 3-4x slower than 1 (benchmarks/results/cpu-threads-2cores-2026-12-01.json).
+displaces holds up every region, and all threads wait for it. On a 2-core VM (medians of
+benchmarks/results/cpu-threads-2cores-2026-12-01.json and its ``-beside-busy`` twin) 2 threads beat
+1 alone (generate 62 vs 40 tokens/s, demo prefill 261 vs 157 and decode 42 vs 34) but lose beside
+one busy process (generate 19 vs 44, demo prefill 102 vs 140 and decode 10 vs 27).
 So the default here is the CPUs this process may run on, less those other processes keep busy
 (watched for ``SAMPLE_S`` seconds at start, from ``/proc/stat``; at least 1): 2 on an idle 2-core
 machine, 1 beside a busy process. Chosen once, when the LLM (or ``dsa demo``'s engine) is built.
