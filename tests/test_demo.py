@@ -1,6 +1,8 @@
 """``python -m dsa demo`` end to end on the CPU default model, with a short context past index_topk."""
 import json
 
+import torch
+
 from dsa.cli import main
 
 
@@ -17,3 +19,4 @@ def test_demo_runs_sparse_and_writes_json(tmp_path, capsys):
     assert result["cache_bytes_per_token_dense_mla"] == 2 * 2304
     assert result["max_batch_tokens"] == 128 and result["prefill_chunks"] == 5  # the bar moves per chunk
     assert result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
+    assert result["cpu_threads"] == torch.get_num_threads() and f", {result['cpu_threads']} CPU thread" in text

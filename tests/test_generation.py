@@ -1,8 +1,11 @@
 """Text generation on the engine: sampling in steps, stop conditions, streaming, abort, threads,
 failures, ``dsa.LLM`` (embedded default and a transformers checkpoint) and ``dsa generate``."""
+import sys
 import threading
+import types
 
 import pytest
+import torch
 
 import dsa
 from dsa import Engine, SamplingParams
@@ -197,6 +200,36 @@ def test_default_llm_text_in_text_out(capsys):
     captured = capsys.readouterr()
     assert captured.out == llm.generate(["héllo"], SamplingParams(max_tokens=4, temperature=0))[0].text + "\n"
     assert "finish_reason=" in captured.err
+    start = captured.err.splitlines()[0]
+    assert start.startswith("dsa generate: model: embedded default (random weights, demo-cpu shapes") and \
+        "; float32 on cpu, " in start and " CPU thread" in start, start
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("a\nb\tc", "a\nb\tc"), ("\x07bell", "\\x07bell"), ("\x1b[31mred", "\\x1b[31mred"), ("\r\x00", "\\x0d\\x00"),
+    ("\x7f\x85\x9f", "\\x7f\\x85\\x9f"), ("é🎉\ufffd\xa0", "é🎉\ufffd\xa0")],
+    ids=["newline-tab", "bell", "escape", "cr-nul", "del-c1", "printable"])
+def test_escape_controls(text, shown):
+    from dsa.commands.generate import escape_controls
+    assert escape_controls(text) == shown
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
+def test_generate_escapes_control_characters_on_a_terminal_only(monkeypatch, capsys, terminal):
+    """The command shows what a stream yields escaped on a terminal, as it is elsewhere; the start
+    line names a checkpoint, the dtype, the device and the threads."""
+    from dsa.cli import main
+    from dsa.commands import generate
+    pieces = ["ok\x07", "\x1b[2J", "\n\tend"]
+    fake = types.SimpleNamespace(model=types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32),
+                                 cpu_threads=1, cpu_threads_reason="asked for",
+                                 stream=lambda prompts, sampling: iter(dsa.Delta(0, [i], t) for i, t in enumerate(pieces)))
+    monkeypatch.setattr(generate, "llm_from_args", lambda args, command: fake)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)
+    assert main(["generate", "--prompt", "x", "--checkpoint", "some/folder"]) == 0
+    out, err = capsys.readouterr()
+    assert out == ("ok\\x07\\x1b[2J\n\tend\n" if terminal else "".join(pieces) + "\n"), repr(out)
+    assert err.splitlines()[0] == "dsa generate: model: checkpoint some/folder; float32 on cpu, 1 CPU thread (asked for)"
 
 
 def test_llm_on_a_transformers_checkpoint(text_checkpoint):

@@ -191,6 +191,18 @@ def test_seeded_sampling_is_reproducible_and_logprobs(server):
     assert all(x <= 0 for x in a.logprobs.token_logprobs)
 
 
+def test_chat_logprob_bytes_are_the_tokens_bytes(server, llm):
+    """A token holding part of a character reports its own bytes, not U+FFFD's UTF-8 (239, 191, 189)."""
+    msgs = [{"role": "user", "content": "東京 🎉"}]
+    expected = llm.chat(msgs, SamplingParams(max_tokens=12, temperature=0, logprobs=5))[0]
+    r = server.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0,
+                                                logprobs=True, top_logprobs=5)
+    got = [[e.bytes] + [t.bytes for t in e.top_logprobs] for e in r.choices[0].logprobs.content]
+    ids = [[lp.token_id] + [i for i, _ in lp.top] for lp in expected.logprobs]
+    assert any("\ufffd" in llm.tokenizer.token_text(i) for row in ids for i in row), "no partial-character token"
+    assert got == [[list(llm.tokenizer.token_bytes(i)) for i in row] for row in ids], f"{got} for ids {ids}"
+
+
 def test_16_concurrent_streams_each_get_their_own_text(server, llm):
     prompts = [f"{w} {i}" for i, w in enumerate(["one", "two", "three", "four", "the", "lazy", "dog", "café"] * 2)]
     expected = [c.text for c in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))]

@@ -55,6 +55,48 @@ def test_bpe_config_flags(tmp_path):
     assert Tokenizer.from_pretrained(tmp_path).render_chat([{"role": "user", "content": "x"}]) == "X"
 
 
+@pytest.mark.parametrize("token_id, expected", [(200, b"\xc8"), (0, b"\x00"), (ord("a"), b"a"), (BYTE_BOS_ID, b"<|bos|>"),
+                                                 (BYTE_EOS_ID, b"<|eos|>")], ids=["200", "0", "a", "bos", "eos"])
+def test_byte_tokenizer_token_bytes_are_the_byte(token_id, expected):
+    tok = ByteTokenizer()
+    assert tok.token_bytes(token_id) == expected, f"token {token_id}: {tok.token_bytes(token_id)!r}"
+
+
+@pytest.mark.parametrize("token_id", [-1, 258], ids=["negative", "past-the-vocabulary"])
+def test_byte_tokenizer_token_bytes_out_of_range(token_id):
+    with pytest.raises(ValueError, match="token_id"):
+        ByteTokenizer().token_bytes(token_id)
+
+
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_bpe_token_bytes_join_to_the_text(bpe, text):
+    ids = bpe.encode(text, add_special_tokens=False)
+    pieces = [bpe.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode("utf-8"), f"{text!r}: {ids} -> {pieces}"
+
+
+def test_bpe_token_bytes_of_parts_of_a_character_and_specials(bpe):
+    ids = bpe.encode("東京🎉", add_special_tokens=False)
+    partial = [i for i in ids if "\ufffd" in bpe.token_text(i)]
+    assert partial, f"the test needs a token holding part of a character: {ids}"
+    assert all(b"\xef\xbf\xbd" not in bpe.token_bytes(i) for i in partial), [bpe.token_bytes(i) for i in partial]
+    assert bpe.token_bytes(bpe.bos_token_id) == b"<s>" and bpe.token_bytes(bpe.eos_token_id) == b"</s>"
+    with pytest.raises(ValueError, match="token_id"):
+        bpe.token_bytes(10 ** 6)
+
+
+def test_byte_fallback_token_bytes(tmp_path):
+    from tokenizers import Tokenizer as Backend, decoders, models
+
+    vocab = {"<unk>": 0, "a": 1, "<0x0A>": 2, "<0xC8>": 3, "<0xE6>": 4}
+    backend = Backend(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert [tok.token_bytes(i) for i in (1, 2, 3)] == [b"a", b"\n", b"\xc8"]
+    assert tok.token_text(3) == "\ufffd"  # the text cannot show one byte of a character; the bytes can
+
+
 LOOP_TEMPLATE = ("{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}\n"
                  "    {% if m.role == 'skip' %}{% continue %}{% endif %}\n"
                  "{{ m.role }}={{ m.content | tojson }};\n"

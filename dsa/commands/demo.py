@@ -7,8 +7,8 @@ on CPU; random weights, seed 0: the tokens are not language). The prompt is pref
 import json
 import time
 
-from dsa.commands.options import (add_device_argument, add_overwrite_argument, checkpoint_errors, device_from_args,
-                                  refuse_to_overwrite)
+from dsa.commands.options import (add_cpu_threads_argument, add_device_argument, add_overwrite_argument,
+                                  checkpoint_errors, cpu_threads_from_args, device_from_args, refuse_to_overwrite)
 
 
 def add_parser(sub) -> None:
@@ -20,6 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-batch-tokens", type=int, help="rows per step, the prefill chunk (default: an eighth of "
                    "the prompt, rounded up to a block, at most 8192)")
     add_device_argument(p)
+    add_cpu_threads_argument(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each: start with "
                    "torchrun --nproc-per-node N -m dsa demo --tp N (default: %(default)s)")
     p.add_argument("--json", help="also write the results to this JSON file (default: none)")
@@ -42,6 +43,8 @@ def run(args) -> int:
     import torch
     from tqdm import tqdm
 
+    from dsa.engine.cpu_threads import apply_cpu_threads, describe
+
     from dsa.bench.harness import env_info
     from dsa.config import bytes_per_token, indexer_layers, latent_format
     from dsa.engine import Engine, SamplingParams
@@ -54,6 +57,8 @@ def run(args) -> int:
                         ("--max-batch-tokens", args.max_batch_tokens)):
         if value is not None and value < 1:
             raise SystemExit(f"dsa demo: {flag} must be a positive number, got {value}")
+    cpu_threads = cpu_threads_from_args(args, "demo")
+    threads = apply_cpu_threads(cpu_threads) if device.type == "cpu" or cpu_threads is not None else None
     t0 = time.perf_counter()
     model = build_model(args, device)
     cfg = model.config
@@ -108,7 +113,7 @@ def run(args) -> int:
                   "index_heads": cfg.index_n_heads, "index_topk": cfg.index_topk, "dtype": str(model.dtype),
                   "latent_cache": latent_format(cfg, model.dtype), "checkpoint": args.checkpoint},
         "batch": args.batch, "context": context, "new_tokens": args.new_tokens, "max_batch_tokens": chunk,
-        "load_s": load_s,
+        "load_s": load_s, "cpu_threads": None if threads is None else threads[0],
         "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
         "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
         "cache_bytes_per_token_dsa": dsa_bytes, "cache_bytes_per_token_dense_mla": dense_bytes,
@@ -121,7 +126,8 @@ def run(args) -> int:
         return 0
     print(f"device {result['device']}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}, {model.dtype}"
-          + (f", tensor parallel over {model.tp.size} ranks" if model.tp.size > 1 else ""))
+          + (f", tensor parallel over {model.tp.size} ranks" if model.tp.size > 1 else "")
+          + (f", {describe(*threads)}" if threads else ""))
     if model.tp.reducer is not None:
         print(f"all-reduce: {model.tp.reducer.path} ({model.tp.reducer.reason})")
     print(f"prefill: {prefill_tokens} tokens in {prefill_s:.2f} s = {result['prefill_tokens_per_s']:.0f} tokens/s")

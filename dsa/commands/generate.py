@@ -1,12 +1,17 @@
 """``dsa generate --prompt TEXT``: stream a completion of one prompt to stdout.
 
 Without ``--checkpoint`` the embedded default model answers (random weights and the byte-level
-tokenizer: the text is not language). A summary goes to stderr.
+tokenizer: the text is not language). A start line (the model, dtype, device and CPU threads) and
+a summary go to stderr. On a terminal, control characters other than newline and tab are shown
+escaped (``\\x07``); written to a pipe or a file, the text is as generated.
 """
 import sys
 import time
 
 from dsa.commands.options import add_model_arguments, llm_from_args
+
+# C0 and C1 control characters and DEL, but newline and tab: what a terminal would act on
+CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t"}
 
 
 def add_parser(sub) -> None:
@@ -23,6 +28,27 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def escape_controls(text: str) -> str:
+    """``text`` with its control characters (C0, DEL, C1; not newline or tab) written as ``\\xNN``."""
+    return text.translate(CONTROLS)
+
+
+def start_line(llm, checkpoint) -> str:
+    """What runs: the model (a checkpoint folder, or the embedded default's random weights), its
+    dtype and device, and on CPU the threads."""
+    from dsa.engine.cpu_threads import describe
+    from dsa.model.presets import default_preset
+
+    model = llm.model
+    if checkpoint is not None:
+        what = f"checkpoint {checkpoint}"
+    else:
+        what = (f"embedded default (random weights, {default_preset(model.device)} shapes: the text is not "
+                "language; --checkpoint for a trained model)")
+    threads = f", {describe(llm.cpu_threads, llm.cpu_threads_reason)}" if llm.cpu_threads is not None else ""
+    return f"dsa generate: model: {what}; {str(model.dtype).removeprefix('torch.')} on {model.device}{threads}"
+
+
 def run(args) -> int:
     from dsa.engine.sampling import SamplingParams
 
@@ -32,6 +58,8 @@ def run(args) -> int:
     except ValueError as e:
         raise SystemExit(f"dsa generate: {e}") from None
     llm = llm_from_args(args, "generate")
+    print(start_line(llm, args.checkpoint), file=sys.stderr, flush=True)
+    show = escape_controls if sys.stdout.isatty() else str
     prompt = llm.chat_ids([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     t0 = time.perf_counter()
     first = None
@@ -41,7 +69,7 @@ def run(args) -> int:
             first = time.perf_counter()
         tokens += len(delta.token_ids)
         reason = delta.finish_reason or reason
-        sys.stdout.write(delta.text or "")
+        sys.stdout.write(show(delta.text or ""))
         sys.stdout.flush()
     end = time.perf_counter()
     sys.stdout.write("\n")

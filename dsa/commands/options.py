@@ -17,6 +17,20 @@ def add_model_arguments(p) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="rows per step (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once; later ones wait "
                    "(default: %(default)s)")
+    add_cpu_threads_argument(p)
+
+
+def add_cpu_threads_argument(p) -> None:
+    p.add_argument("--cpu-threads", type=int, help="torch's threads on CPU (default: one per CPU that other "
+                   "processes leave free, unless OMP_NUM_THREADS or MKL_NUM_THREADS is set)")
+
+
+def cpu_threads_from_args(args, command: str | None) -> int | None:
+    """``--cpu-threads``, checked (one line when below 1)."""
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        prog = f"dsa {command}" if command else "dsa"
+        raise SystemExit(f"{prog}: --cpu-threads must be at least 1, got {args.cpu_threads}")
+    return args.cpu_threads
 
 
 def add_overwrite_argument(p) -> None:
@@ -73,7 +87,8 @@ def llm_from_args(args, command: str):
 
     device_from_args(args, command)
 
-    options = {"max_batch_tokens": args.max_batch_tokens, "max_num_seqs": args.max_num_seqs}
+    options = {"max_batch_tokens": args.max_batch_tokens, "max_num_seqs": args.max_num_seqs,
+               "cpu_threads": cpu_threads_from_args(args, command)}
     if args.num_blocks is not None:
         options["num_blocks"] = args.num_blocks
     dtype = getattr(torch, args.dtype) if args.dtype else None

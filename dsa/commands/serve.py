@@ -91,6 +91,9 @@ def run(args) -> int:
                 _die(f"dsa serve: tensor-parallel rank {commands.rank}: stopped: {one_line(e)}")
             dist.destroy_process_group()
             return 0
+    if llm.cpu_threads is not None:
+        from dsa.engine.cpu_threads import describe
+        logging.getLogger("dsa.serve").info("torch on CPU: %s", describe(llm.cpu_threads, llm.cpu_threads_reason))
     if llm.warmup_report is not None:
         r = llm.warmup_report
         logging.getLogger("dsa.serve").info(

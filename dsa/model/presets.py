@@ -37,8 +37,12 @@ PRESETS = {  # name -> a config factory, one for each of PRESET_NAMES (in its or
 def default_model(device, dtype: torch.dtype | None = None, seed: int = 0, tp_size: int = 1):
     """The embedded default model: random weights (seed ``seed``), the ``demo-gpu`` shapes on CUDA
     (bf16), else the ``demo-cpu`` ones (fp32)."""
-    cuda = torch.device(device).type == "cuda"
-    return preset_model("demo-gpu" if cuda else "demo-cpu", device, dtype, seed, tp_size)
+    return preset_model(default_preset(device), device, dtype, seed, tp_size)
+
+
+def default_preset(device) -> str:
+    """The embedded default model's preset on ``device``: ``demo-gpu`` on CUDA, else ``demo-cpu``."""
+    return "demo-gpu" if torch.device(device).type == "cuda" else "demo-cpu"
 
 
 def preset_model(name: str, device, dtype: torch.dtype | None = None, seed: int = 0, tp_size: int = 1):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsa.engine import Engine, SamplingParams
+from dsa.engine.cpu_threads import apply_cpu_threads
 from dsa.kernels.common import cdiv
 from dsa.serve.tokenizer import ByteTokenizer, Tokenizer
 
@@ -47,6 +48,11 @@ class LLM:
     :meth:`Engine.warmup` before returning (None: on CUDA, where Triton compiles on first use;
     skipped on CPU), its report in ``warmup_report``. Thread-safe like the engine.
 
+    ``cpu_threads``: torch's CPU thread count, set before the model is built (None: on CPU, one per
+    CPU that other processes leave free, unless the user set a count with ``OMP_NUM_THREADS`` or
+    ``torch.set_num_threads``; on CUDA, untouched): :mod:`dsa.engine.cpu_threads`. The count and
+    why in ``cpu_threads`` and ``cpu_threads_reason`` (None when untouched on CUDA).
+
     ``tp_size``: shard the model over that many tensor-parallel ranks, one process each, started
     by ``torchrun`` (:mod:`dsa.model.parallel`). Every rank builds the LLM and makes the same calls
     with the same prompts (SPMD: every rank computes the same tokens); ``dsa serve --tp`` serves
@@ -54,11 +60,13 @@ class LLM:
     """
 
     def __init__(self, checkpoint=None, *, tokenizer=None, dtype: torch.dtype | None = None, device=None,
-                 seed: int = 0, warmup: bool | None = None, tp_size: int = 1, **engine_options):
+                 seed: int = 0, warmup: bool | None = None, tp_size: int = 1, cpu_threads: int | None = None,
+                 **engine_options):
         from dsa.model import DSAModel
         from dsa.model.presets import default_model
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._set_threads(device, cpu_threads)
         if checkpoint is not None:
             dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
             model = DSAModel.from_pretrained(checkpoint, dtype=dtype, device=device, tp_size=tp_size)
@@ -74,12 +82,19 @@ class LLM:
         self.checkpoint = checkpoint
 
     @classmethod
-    def from_model(cls, model, tokenizer=None, warmup: bool | None = None, **engine_options) -> "LLM":
+    def from_model(cls, model, tokenizer=None, warmup: bool | None = None, cpu_threads: int | None = None,
+                   **engine_options) -> "LLM":
         """An LLM over a model already built (e.g. ``DSAModel.random``) and a tokenizer object."""
         llm = cls.__new__(cls)
+        llm._set_threads(model.device, cpu_threads)
         llm._attach(model, tokenizer, engine_options, warmup)
         llm.checkpoint = None
         return llm
+
+    def _set_threads(self, device: torch.device, cpu_threads: int | None) -> None:
+        self.cpu_threads = self.cpu_threads_reason = None
+        if device.type == "cpu" or cpu_threads is not None:
+            self.cpu_threads, self.cpu_threads_reason = apply_cpu_threads(cpu_threads)
 
     def _attach(self, model, tokenizer, engine_options: dict, warmup: bool | None) -> None:
         self.model, self.tokenizer = model, tokenizer

@@ -163,6 +163,11 @@ class _Server:
         tok = self.llm.tokenizer
         return str(token_id) if tok is None else tok.token_text(token_id)
 
+    def token_bytes(self, token_id: int) -> list:
+        """The token's own bytes (a byte of a longer character is that byte, not U+FFFD's UTF-8);
+        only chat asks, and chat needs a tokenizer."""
+        return list(self.llm.tokenizer.token_bytes(token_id))
+
     def check_open(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", type="server_error")
@@ -359,8 +364,7 @@ def _logprobs_completion(server: _Server, lps: list, offset: int) -> dict:
 
 def _logprobs_chat(server: _Server, lps: list) -> dict:
     def entry(i, x):
-        t = server.token_text(i)
-        return {"token": t, "logprob": x, "bytes": list(t.encode())}
+        return {"token": server.token_text(i), "logprob": x, "bytes": server.token_bytes(i)}
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, x) for i, x in lp.top]}
                         for lp in lps]}
 

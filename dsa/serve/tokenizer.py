@@ -12,6 +12,7 @@ From a checkpoint folder: ``tokenizer.json``, plus ``tokenizer_config.json`` (``
 the config sets ``add_bos_token`` or ``add_eos_token``, those flags decide which special tokens
 ``encode`` adds; otherwise ``tokenizer.json``'s own post-processor does.
 """
+import functools
 import json
 import os
 import re
@@ -84,6 +85,36 @@ class ByteTokenizer(_ChatMixin):
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: one byte for ids 0-255 (a byte of a longer character too, which
+        ``token_text`` shows as U+FFFD), the UTF-8 of ``<|bos|>`` / ``<|eos|>`` for BOS / EOS."""
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token_id: {token_id} is not in [0, {self.vocab_size})")
+        return bytes([token_id]) if token_id < 256 else self.token_text(token_id).encode("utf-8")
+
+
+def _byte_level_alphabet() -> dict:
+    """GPT-2's byte-level alphabet, as ``tokenizers``' ByteLevel writes tokens: character -> byte
+    (printable bytes stand for themselves, the others for the characters from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile("<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_types(decoder) -> set:
+    """The types of a ``tokenizer.json`` decoder, through ``Sequence`` s."""
+    if not isinstance(decoder, dict):
+        return set()
+    if decoder.get("type") == "Sequence":
+        return set().union(*(_decoder_types(d) for d in decoder.get("decoders", [])))
+    return {decoder.get("type")}
 
 
 def _token_string(value):
@@ -164,6 +195,29 @@ class Tokenizer(_ChatMixin):
 
     def token_text(self, token_id: int) -> str:
         return self.backend.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, also when they are part of a longer character: a ByteLevel token's
+        characters mapped back to bytes, a byte-fallback ``<0xNN>`` token's byte; an added (special)
+        token's and any other token's text in UTF-8."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token_id: {token_id} is not in the vocabulary")
+        if token_id not in self._added_ids:
+            if "ByteLevel" in self._decoders and all(c in BYTE_LEVEL_ALPHABET for c in piece):
+                return bytes(BYTE_LEVEL_ALPHABET[c] for c in piece)
+            match = _BYTE_FALLBACK.fullmatch(piece)
+            if "ByteFallback" in self._decoders and match:
+                return bytes([int(match.group(1), 16)])
+        return self.token_text(token_id).encode("utf-8")
+
+    @functools.cached_property
+    def _decoders(self) -> set:
+        return _decoder_types(json.loads(self.backend.to_str()).get("decoder"))
+
+    @functools.cached_property
+    def _added_ids(self) -> set:
+        return set(self.backend.get_added_tokens_decoder())
 
 
 def load_tokenizer(path):
