@@ -237,8 +237,8 @@ def plot(record: dict, path: str) -> str:
 
 
 def train(args) -> int:
-    from dsa.quality.train import STAGES, export, hf_config, indexer_params, model_config, new_model, selection_recall
     from dsa.quality.corpus import windows
+    from dsa.quality.train import STAGES, export, hf_config, indexer_params, model_config, new_model, selection_recall
 
     manifest, streams, heldout = load_data(args.data)
     for ctx in args.eval_contexts:
