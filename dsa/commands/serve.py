@@ -10,6 +10,10 @@ same way (no waiting for the engine's step), and the process exits 0; later sign
 serves HTTP and broadcasts each step's requests and aborts to the others, which apply them and step
 along (:mod:`dsa.serve.tp_commands`) and ignore SIGINT / SIGTERM (they stop when rank 0 does). A
 rank that dies or hangs (``TIMEOUT_S``) stops every rank with one line on stderr and exit status 1.
+To stop it, signal the workers (``kill -TERM`` their pids): every rank exits 0, and so does torchrun.
+A signal to torchrun itself reaches the workers too (torchrun forwards it: rank 0 drains), but
+torchrun's agent then exits 1 with a ``SignalException`` traceback (its own behaviour), and kills
+workers still running after its ``--shutdown-timeout`` (default 30 s).
 """
 import asyncio
 import contextlib
@@ -35,7 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint folder's "
                    "name, or dsa-default)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, help="seconds requests in flight get at "
-                   "shutdown before they are aborted (default: %(default)s)")
+                   "shutdown (SIGTERM, Ctrl-C) before they are aborted; a second signal aborts them at once "
+                   "(default: %(default)s)")
     p.add_argument("--max-queued", type=int, help="a request arriving while this many requests wait (not yet "
                    "running) gets 503 with Retry-After (default: no limit)")
     p.add_argument("--request-timeout", type=float, help="seconds after which a request still running is "
