@@ -4,6 +4,7 @@ Ids follow the kernels' rule: a slot outside ``[0, NB * P)`` writes nothing, and
 block id is outside ``[0, NB)`` reads nothing.
 """
 import torch
+
 from dsa.kernels import indexer_key_write, latent_write, positions_to_slots
 from dsa.kernels.common import check_block_size, check_int, check_tensor
 from dsa.kernels.layouts import INDEXER_HEAD_DIM, LATENT_ROWS, indexer_bytes_per_token, indexer_cache_views

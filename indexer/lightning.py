@@ -15,13 +15,13 @@ selection a function of that row alone.
 """
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from dsa.cache import IndexerKeyCache, gather_indexer_keys, write_indexer_keys
+from dsa.config import DSAConfig
 from dsa.kernels import indexer_logits_paged, indexer_logits_ragged, indexer_query_prep, rope_rotate, topk_slots
 from dsa.kernels.common import cdiv
 from dsa.kernels.indexer_query_prep import weight_scale
-from torch import nn
-
-from dsa.config import DSAConfig
 
 from .batch import IndexerBatch, Selection
 

@@ -8,8 +8,14 @@ import triton
 import triton.language as tl
 
 from .common import FLOAT_DTYPES, INDEX_DTYPES, check_block_size, check_same_device, check_tensor, resolve_backend
-from .layouts import (FP8_MAX, FP8_NAN_BYTE, FP32_NAN_BITS, INDEXER_AMAX_FLOOR, indexer_bytes_per_token,
-                      indexer_cache_views)
+from .layouts import (
+    FP8_MAX,
+    FP8_NAN_BYTE,
+    FP32_NAN_BITS,
+    INDEXER_AMAX_FLOOR,
+    indexer_bytes_per_token,
+    indexer_cache_views,
+)
 from .quant import hadamard_reference, quant_ue8m0_reference
 
 

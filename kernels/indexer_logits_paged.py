@@ -10,8 +10,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deepgemm
-from .common import (check_block_size, check_int, check_same_device, check_tensor, compute_dtype, resolve_backend,
-                     sm_count)
+from .common import (
+    check_block_size,
+    check_int,
+    check_same_device,
+    check_tensor,
+    compute_dtype,
+    resolve_backend,
+    sm_count,
+)
 from .layouts import INDEXER_SCALE_BYTES, indexer_cache_views
 
 

@@ -7,9 +7,21 @@ import triton
 import triton.language as tl
 
 from .common import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, resolve_backend
-from .layouts import (FP8_MAX, FP8_NAN_BYTE, FP32_NAN_BITS, KV_LORA_RANK, LATENT_FP8_RATIO_FLOOR,
-                      LATENT_FP8_ROPE_OFFSET, LATENT_FP8_SCALE_OFFSET, LATENT_FP8_TILE, ROPE_DIM, encode_fp8_groups,
-                      latent_cache_format, latent_fp8_scale, latent_fp8_views)
+from .layouts import (
+    FP8_MAX,
+    FP8_NAN_BYTE,
+    FP32_NAN_BITS,
+    KV_LORA_RANK,
+    LATENT_FP8_RATIO_FLOOR,
+    LATENT_FP8_ROPE_OFFSET,
+    LATENT_FP8_SCALE_OFFSET,
+    LATENT_FP8_TILE,
+    ROPE_DIM,
+    encode_fp8_groups,
+    latent_cache_format,
+    latent_fp8_scale,
+    latent_fp8_views,
+)
 
 
 def latent_write_reference(latent_cache, kv_c, k_pe, slot_mapping):

@@ -7,8 +7,16 @@ import math
 
 import torch
 
-from .common import (FLOAT_DTYPES, INDEX_DTYPES, check_int, check_real, check_same_device, check_tensor, compute_dtype,
-                     torch_only)
+from .common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_int,
+    check_real,
+    check_same_device,
+    check_tensor,
+    compute_dtype,
+    torch_only,
+)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -13,8 +13,15 @@ import triton.language as tl
 
 from . import sparse_mla_hopper as hopper
 from .common import FLOAT_DTYPES, check_real, check_same_device, check_tensor, compute_dtype, resolve_backend
-from .layouts import (KV_LORA_RANK, LATENT_DIM, LATENT_FP8_ROPE_OFFSET, LATENT_FP8_SCALE_OFFSET, LATENT_FP8_TILE,
-                      latent_cache_format, latent_fp8_views)
+from .layouts import (
+    KV_LORA_RANK,
+    LATENT_DIM,
+    LATENT_FP8_ROPE_OFFSET,
+    LATENT_FP8_SCALE_OFFSET,
+    LATENT_FP8_TILE,
+    latent_cache_format,
+    latent_fp8_views,
+)
 from .mla_split import split_launch
 
 

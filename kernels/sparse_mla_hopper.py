@@ -31,8 +31,13 @@ from .mla_split import split_launch
 try:  # Gluon's API moves between Triton releases; without it this path is simply not offered
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     AVAILABLE = hasattr(gl, "warp_specialize") and hasattr(async_copy, "mbarrier_arrive")
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False

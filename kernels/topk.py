@@ -17,9 +17,28 @@ import triton.language as tl
 
 from .common import check_block_size, check_int, check_same_device, check_tensor, resolve_backend
 from .slots import positions_to_slots_reference
-from .topk_select import (_HBLOCK, _LBLOCK, _MAX_FAST_REGIONS, _SBLOCK, _SEG, _Z, _append, _finish_fast,
-                          _finish_tiles, _gather_fronts, _guess, _key, _list_row, _place_kernel, _refine,
-                          _region_hist, _row_request, _row_selection, _row_window, _store_positions)
+from .topk_select import (
+    _HBLOCK,
+    _LBLOCK,
+    _MAX_FAST_REGIONS,
+    _SBLOCK,
+    _SEG,
+    _Z,
+    _append,
+    _finish_fast,
+    _finish_tiles,
+    _gather_fronts,
+    _guess,
+    _key,
+    _list_row,
+    _place_kernel,
+    _refine,
+    _region_hist,
+    _row_request,
+    _row_selection,
+    _row_window,
+    _store_positions,
+)
 
 
 def _order_key(values: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,7 @@ def test_rank_counts_under_torchrun_are_checked(argv, world, message, monkeypatc
 
 def test_result_files_carry_the_command_line(monkeypatch):
     from argparse import Namespace
+
     from dsa.commands.bench import command_line
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

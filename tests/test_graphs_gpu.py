@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dsa import DSAConfig, DSAModel, Engine
-from dsa.model.plan import HostPlan
 from dsa.engine.runner import batch_bucket, context_bucket
+from dsa.model.plan import HostPlan
 
 pytestmark = pytest.mark.gpu
 

@@ -5,18 +5,44 @@
 with ``dsa.config`` a leaf anyone may import (it imports only kernels). ``quality`` may import the
 model, the engine and the benches, never ``serve``; ``serve`` never imports ``quality`` or
 ``bench``; the command modules (``dsa.commands``) are imported by ``dsa.cli`` alone.
+
+The packages and their folders are pyproject.toml's (``[tool.setuptools]`` ``packages`` and
+``package-dir``: ``dsa.kernels`` is ``kernels/``), the one map both setuptools and these tests read.
 """
 import ast
 import pathlib
+import sys
 
 import pytest
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the test extra installs tomli there
+    import tomli as tomllib
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def _folder(package: str) -> pathlib.Path:
+    """A package's folder as setuptools finds it: its longest prefix in package-dir, then the rest of its name."""
+    parts = package.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in SETUPTOOLS["package-dir"]:
+            return ROOT.joinpath(SETUPTOOLS["package-dir"][".".join(parts[:i])], *parts[i:])
+    return ROOT.joinpath(*parts)
+
+
+PACKAGES = {p: _folder(p) for p in SETUPTOOLS["packages"]}  # "dsa.kernels" -> ROOT / "kernels"
+SOURCES = {  # layer -> its source files: each subpackage of dsa, and each module of dsa itself
+    **{p.split(".")[1]: sorted(folder.glob("*.py")) for p, folder in PACKAGES.items() if p != "dsa"},
+    **{f.stem: [f] for f in PACKAGES["dsa"].glob("*.py") if f.name not in ("__init__.py", "__main__.py")},
+}
 BELOW = {"kernels": [], "cache": ["kernels"], "indexer": ["kernels", "cache", "config"]}
 BELOW["model"] = BELOW["indexer"] + ["indexer"]
 BELOW["engine"] = BELOW["model"] + ["model"]
 BELOW["serve"] = BELOW["engine"] + ["engine"]
-ALLOWED = {  # package -> the dsa packages its modules may import (besides its own)
+ALLOWED = {  # layer -> the layers its modules may import (besides its own)
     **BELOW,
     "config": ["kernels"],
     "testing": BELOW["serve"],
@@ -25,11 +51,24 @@ ALLOWED = {  # package -> the dsa packages its modules may import (besides its o
     "commands": BELOW["serve"] + ["serve", "quality", "bench"],
     "cli": ["commands"],
 }
-SOURCES = {  # package -> its source files
-    "kernels": "kernels/*.py", "cache": "cache/*.py", "indexer": "indexer/*.py", "config": "dsa/config.py",
-    "testing": "dsa/testing.py", "cli": "dsa/cli.py",
-    **{p: f"dsa/{p}/*.py" for p in ("model", "engine", "serve", "quality", "bench", "commands")},
-}
+
+
+def test_the_package_map_lists_every_package_folder():
+    """Every folder with an __init__.py at the top of the checkout or inside a package is a package
+    of pyproject.toml, and every package there is such a folder."""
+    found = {p.parent for p in ROOT.glob("*/__init__.py")}
+    found |= {p.parent for folder in PACKAGES.values() for p in folder.rglob("__init__.py")}
+    listed = set(PACKAGES.values())
+    assert found == listed, (f"folders with __init__.py missing from pyproject.toml: "
+                             f"{sorted(str(f.relative_to(ROOT)) for f in found - listed)}; packages of pyproject.toml "
+                             f"that are no such folder: {sorted(p for p, f in PACKAGES.items() if f not in found)}")
+
+
+def test_the_layering_table_covers_exactly_the_packages():
+    assert set(ALLOWED) == set(SOURCES), (f"layers without sources: {sorted(set(ALLOWED) - set(SOURCES))}; "
+                                          f"sources without a layer: {sorted(set(SOURCES) - set(ALLOWED))}")
+    unknown = {layer: set(below) - set(SOURCES) for layer, below in ALLOWED.items() if set(below) - set(SOURCES)}
+    assert not unknown, f"layers allowed to import layers that do not exist: {unknown}"
 
 
 def _dsa_imports(path: pathlib.Path) -> set:
@@ -51,18 +90,17 @@ def _package(module: str) -> str:
     return parts[1] if len(parts) > 1 else "dsa"
 
 
-@pytest.mark.parametrize("package", sorted(SOURCES))
-def test_packages_import_only_what_is_below_them(package):
-    paths = sorted(ROOT.glob(SOURCES[package]))
-    assert paths, f"no sources for {package}"
-    for path in paths:
-        bad = {m for m in _dsa_imports(path) if _package(m) not in set(ALLOWED[package]) | {package, "__version__"}}
-        assert not bad, f"{path.relative_to(ROOT)} ({package}) imports {sorted(bad)}; allowed: {ALLOWED[package]}"
+@pytest.mark.parametrize("layer", sorted(SOURCES))
+def test_packages_import_only_what_is_below_them(layer):
+    assert SOURCES[layer], f"no sources for {layer}"
+    for path in SOURCES[layer]:
+        bad = {m for m in _dsa_imports(path) if _package(m) not in set(ALLOWED[layer]) | {layer, "__version__"}}
+        assert not bad, f"{path.relative_to(ROOT)} ({layer}) imports {sorted(bad)}; allowed: {ALLOWED[layer]}"
 
 
 def test_every_module_is_in_a_package():
-    covered = {p for pattern in SOURCES.values() for p in ROOT.glob(pattern)}
-    loose = [p.relative_to(ROOT) for p in ROOT.glob("dsa/**/*.py")
+    covered = {p for paths in SOURCES.values() for p in paths}
+    loose = [p.relative_to(ROOT) for folder in PACKAGES.values() for p in folder.rglob("*.py")
              if p not in covered and p.name not in ("__init__.py", "__main__.py")]
     assert not loose, f"modules outside the layering table: {loose}"
 

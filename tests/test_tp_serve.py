@@ -3,9 +3,13 @@ sequence of requests and aborts (no HTTP), rank 1 following its broadcast comman
 that runs to its end gets the single-process tokens, aborted ones a prefix of them, and both ranks
 produce the same tokens for every request; a rank that dies stops rank 0 with one line."""
 import asyncio
+import json
 import multiprocessing
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -215,44 +219,59 @@ def _children(pid: int) -> list:
     return out
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds rank 1 through /proc (Linux)")
-def test_dsa_serve_tp_2_under_torchrun(tmp_path):
-    """The real command: 2 ranks under torchrun answer a completion with the single-process text;
-    killing rank 1 stops rank 0 (and torchrun) with one line, not a hang."""
-    import signal
-    import subprocess
-    import sys
+def _torchrun_serve(tmp_path, *extra) -> tuple:
+    """``torchrun --nproc-per-node 2 -m dsa serve --tp 2`` (tiny preset) in its own session, once
+    /health answers: (the process, its HTTP port, its log's path)."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    from dsa.model.presets import preset_model
-    from dsa.serve.llm import LLM
-    from dsa.serve.tokenizer import ByteTokenizer
     port, log_path = _free_port(), tmp_path / "serve.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                  "--master-port", str(_free_port()), "-m", "dsa", "serve", "--tp", "2", "--preset",
-                                 "tiny", "--device", "cpu", "--num-blocks", "64", "--port", str(port)],
+                                 "tiny", "--device", "cpu", "--num-blocks", "1024", "--port", str(port), *extra],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port, log_path
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    pytest.fail(f"torchrun ... dsa serve --tp 2 did not become healthy:\n{log_path.read_text()}")
+
+
+def _workers(proc) -> dict:
+    """LOCAL_RANK -> pid of the workers torchrun started."""
+    out = {}
+    for pid in _children(proc.pid):
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        out.update({int(e[11:]): pid for e in environ if e.startswith(b"LOCAL_RANK=")})
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc (Linux)")
+def test_dsa_serve_tp_2_under_torchrun(tmp_path):
+    """The real command: 2 ranks under torchrun answer a completion with the single-process text;
+    killing rank 1 stops rank 0 (and torchrun) with one line, not a hang."""
+    httpx = pytest.importorskip("httpx")
+    from dsa.model.presets import preset_model
+    from dsa.serve.llm import LLM
+    from dsa.serve.tokenizer import ByteTokenizer
+    proc, port, log_path = _torchrun_serve(tmp_path)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        assert proc.poll() is None, log_path.read_text()
         body = {"prompt": "The capital", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         got = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=WAIT_S).json()
         one = LLM.from_model(preset_model("tiny", "cpu"), ByteTokenizer(), num_blocks=64).generate(
             "The capital", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
         assert got["choices"][0]["text"] == one.text
-        rank1 = [p for p in _children(proc.pid) if b"LOCAL_RANK=1\0" in open(f"/proc/{p}/environ", "rb").read()]
-        assert len(rank1) == 1
-        os.kill(rank1[0], signal.SIGKILL)
+        workers = _workers(proc)
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[1], signal.SIGKILL)
         assert proc.wait(WAIT_S) != 0
     finally:
         if proc.poll() is None:
@@ -260,3 +279,34 @@ def test_dsa_serve_tp_2_under_torchrun(tmp_path):
             proc.wait()
     lines = [line for line in log_path.read_text().splitlines() if line.startswith("dsa serve: ")]
     assert len(lines) == 1 and lines[0].startswith("dsa serve: tensor-parallel rank 0: "), log_path.read_text()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc (Linux)")
+def test_sigterm_to_the_workers_drains_every_rank_and_each_exits_0(tmp_path):
+    """SIGTERM to the workers (not to torchrun, whose agent raises SignalException and exits 1):
+    rank 0 drains (--shutdown-timeout 0: its stream is aborted at once and ends with an abort chunk
+    and [DONE]) and tells rank 1 to stop; both exit 0, so torchrun exits 0, with no traceback."""
+    httpx = pytest.importorskip("httpx")
+    proc, port, log_path = _torchrun_serve(tmp_path, "--shutdown-timeout", "0")
+    events = []
+    try:
+        body = {"prompt": "The capital", "max_tokens": 16000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=WAIT_S) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(None if line == "data: [DONE]" else json.loads(line[6:]))
+                if len(events) == 1:  # the stream is in flight: stop the workers
+                    workers = _workers(proc)
+                    assert sorted(workers) == [0, 1], workers
+                    for pid in workers.values():
+                        os.kill(pid, signal.SIGTERM)
+        code = proc.wait(WAIT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = log_path.read_text()
+    assert code == 0, out
+    assert events[-1] is None and events[-2]["choices"][0]["finish_reason"] == "abort", events[-3:]
+    assert "finish=abort (shutdown)" in out and "Traceback" not in out and "ERROR" not in out, out

@@ -327,9 +327,6 @@ def train(args) -> int:
                              f"= {args.long_context}]")
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    else:
-        print("warning: training on CPU; this pipeline is sized for one H200 (minutes there are hours here)",
-              file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
     g = torch.Generator().manual_seed(args.seed)
     config = model_config(manifest["tokenizer"]["vocab_size"], args.layers, args.hidden, args.long_context,

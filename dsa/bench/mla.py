@@ -6,8 +6,14 @@ of issue #15 are graph-replay times). ``--variants`` adds tile/split sweeps.
 """
 import torch
 
-from dsa.kernels import dense_mla_decode, dense_mla_decode_reference, latent_write, sparse_mla, sparse_mla_reference
-from dsa.kernels import sparse_mla_hopper as hopper
+from dsa.kernels import (
+    dense_mla_decode,
+    dense_mla_decode_reference,
+    latent_write,
+    sparse_mla,
+    sparse_mla_hopper as hopper,
+    sparse_mla_reference,
+)
 from dsa.kernels.common import cdiv
 from dsa.kernels.sparse_mla import mla_attention_triton
 from dsa.testing import random_block_tables

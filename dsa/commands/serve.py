@@ -2,15 +2,21 @@
 
 Binds 127.0.0.1 by default; logs one line per request, and a stats line every 10 s while busy.
 SIGTERM or Ctrl-C drain it: new requests get 503, requests in flight get ``--shutdown-timeout``
-seconds, then are aborted (a stream ends with ``finish_reason: "abort"``), and the process exits
-0; a second signal stops it at once.
+seconds, then are aborted (a stream ends with a chunk whose ``finish_reason`` is ``"abort"``, then
+``data: [DONE]``), and the process exits 0. A second signal ends every request at once, in the
+same way (no waiting for the engine's step), and the process exits 0; later signals are ignored.
 
 ``--tp N`` under ``torchrun --nproc-per-node N``: every rank holds a shard of the model; rank 0
 serves HTTP and broadcasts each step's requests and aborts to the others, which apply them and step
 along (:mod:`dsa.serve.tp_commands`) and ignore SIGINT / SIGTERM (they stop when rank 0 does). A
 rank that dies or hangs (``TIMEOUT_S``) stops every rank with one line on stderr and exit status 1.
+To stop it, signal the workers (``kill -TERM`` their pids): every rank exits 0, and so does torchrun.
+A signal to torchrun itself reaches the workers too (torchrun forwards it: rank 0 drains), but
+torchrun's agent then exits 1 with a ``SignalException`` traceback (its own behaviour), and kills
+workers still running after its ``--shutdown-timeout`` (default 30 s).
 """
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import os
@@ -33,7 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint folder's "
                    "name, or dsa-default)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, help="seconds requests in flight get at "
-                   "shutdown before they are aborted (default: %(default)s)")
+                   "shutdown (SIGTERM, Ctrl-C) before they are aborted; a second signal aborts them at once "
+                   "(default: %(default)s)")
     p.add_argument("--max-queued", type=int, help="a request arriving while this many requests wait (not yet "
                    "running) gets 503 with Retry-After (default: no limit)")
     p.add_argument("--request-timeout", type=float, help="seconds after which a request still running is "
@@ -106,21 +113,32 @@ def run(args) -> int:
     app = build_app(llm, loop, name, args.api_key, args.max_queued, args.request_timeout)
 
     class Server(uvicorn.Server):
-        """uvicorn, except that SIGTERM / Ctrl-C first drain the app (uvicorn would cancel the
-        requests in flight and re-raise the signal: exit 143), then stop it."""
+        """uvicorn with its own signal handling. The first SIGTERM / Ctrl-C drains the app, then
+        stops it (uvicorn would cancel the requests in flight and re-raise the signal: exit 143);
+        the second ends every request at once, each stream with its last chunk (uvicorn would cut
+        the streams and print each one's CancelledError); later ones change nothing. run() sets the
+        handlers before the event loop starts and ignores the signals once it has stopped (uvicorn
+        would restore the previous handlers, where a late Ctrl-C raises KeyboardInterrupt)."""
 
-        draining = False
+        event_loop = None
+        signals = 0
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # run() sets the handlers
+            yield
 
         async def serve(self, sockets=None):
             self.event_loop = asyncio.get_running_loop()
             await super().serve(sockets)
 
         def handle_exit(self, sig, frame):  # a signal handler: hand the work to the event loop
-            if self.draining:  # a second signal: stop now
-                self.should_exit = self.force_exit = True
-                return
-            self.draining = True
-            self.event_loop.call_soon_threadsafe(self.start_drain)
+            self.signals += 1
+            if self.event_loop is None:  # not serving yet: nothing to drain
+                self.should_exit = True
+            elif self.signals <= 2:
+                with contextlib.suppress(RuntimeError):  # the loop has just closed: nothing left to end
+                    self.event_loop.call_soon_threadsafe(self.start_drain if self.signals == 1
+                                                         else app.state.end_now)
 
         def start_drain(self):
             self.drain_task = asyncio.ensure_future(self.drain())
@@ -132,7 +150,11 @@ def run(args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5.0)
     server = Server(config)
     loop.on_fatal = lambda reason: setattr(server, "should_exit", True)  # uvicorn polls it
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
     server.run()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stopped: what is left is the exit (Python's own teardown
+        signal.signal(sig, signal.SIG_IGN)       # would restore the default handlers, and a signal kill it)
     if loop.fatal is not None:
         _die(f"dsa serve: {loop.fatal}")
     if commands is not None:

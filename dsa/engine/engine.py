@@ -40,7 +40,6 @@ from dsa.kernels import compiles
 from dsa.kernels.common import check_int
 from dsa.model.plan import PATHS
 
-
 log = logging.getLogger("dsa.engine")
 
 

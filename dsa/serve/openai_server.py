@@ -11,7 +11,9 @@ unknown model or route, 503 while shutting down and when ``max_queued`` requests
 (with ``Retry-After``). A client that disconnects aborts its requests, which frees their blocks.
 A request still running after ``request_timeout`` seconds, or when :meth:`_Server.drain` gives
 up waiting, is aborted: a stream ends with a chunk whose ``finish_reason`` is ``"abort"``, a
-non-streamed request gets a 504 (timeout) or 503 (shutdown) error. One log line per request.
+non-streamed request gets a 504 (timeout) or 503 (shutdown) error. :meth:`_Server.end_now` (a
+second signal) does the same to every request at once, without waiting for the engine's step.
+One log line per request.
 """
 import asyncio
 import hmac
@@ -27,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsa.engine.output import Delta
 from dsa.engine.sampling import SamplingParams
 from dsa.model.plan import PATHS
 from dsa.serve.chat_template import ChatTemplateError
@@ -127,6 +130,7 @@ class _Server:
         self.max_queued, self.request_timeout = max_queued, request_timeout
         self.calls = set()  # _Call objects in flight
         self.draining = False
+        self.ending_now = False  # end_now was called: the drain waits no longer
         self.created = int(time.time())
         self.latency = LatencyMetrics()  # TTFT, ITL, end-to-end and queue time histograms
         engine = llm.engine
@@ -191,30 +195,42 @@ class _Server:
                 self.loop.abort(s)
 
     async def drain(self, timeout: float) -> None:
-        """Shut down: refuse new requests (503), give the calls in flight up to ``timeout`` seconds,
-        then abort the rest and give them ABORT_GRACE_S seconds to send their last chunk."""
+        """Shut down: refuse new requests (503), give the calls in flight up to ``timeout`` seconds
+        (less when :meth:`end_now` is called meanwhile), then abort the rest and give them
+        ABORT_GRACE_S seconds to send their last chunk."""
         self.draining = True
-        if self.calls:
+        if self.calls and not self.ending_now:
             log.info("shutting down: %d requests in flight get up to %g s", len(self.calls), timeout)
-        await self._wait_for_calls(timeout)
-        if self.calls:
+        await self._wait_for_calls(timeout, until_ending_now=True)
+        if self.calls and not self.ending_now:
             log.info("shutting down: aborting %d requests", len(self.calls))
             for call in list(self.calls):
                 call.abort("shutdown")
-            await self._wait_for_calls(ABORT_GRACE_S)
+        await self._wait_for_calls(ABORT_GRACE_S)
 
-    async def _wait_for_calls(self, seconds: float) -> None:
+    def end_now(self) -> None:
+        """Shut down at once: refuse new requests and end every call in flight now, as an abort at
+        shutdown does (a stream's last chunk has ``finish_reason: "abort"``, then ``[DONE]``), without
+        waiting for the engine to finish its step. A :meth:`drain` under way stops waiting."""
+        self.draining = self.ending_now = True
+        if self.calls:
+            log.info("shutting down now: ending %d requests", len(self.calls))
+        for call in list(self.calls):
+            call.end_now()
+
+    async def _wait_for_calls(self, seconds: float, until_ending_now: bool = False) -> None:
         deadline = time.monotonic() + seconds
-        while self.calls and time.monotonic() < deadline:
+        while self.calls and time.monotonic() < deadline and not (until_ending_now and self.ending_now):
             await asyncio.sleep(0.05)
 
 
 async def _deltas(request: Request, call: "_Call", watch_disconnect: bool):
     """Each delta of the call's requests as it arrives, until all finished; aborts them at the
     call's deadline. Raises APIError(500) when the engine failed a request; with
-    ``watch_disconnect`` ends quietly when the client went away."""
-    left = len(call.subs)
-    while left:
+    ``watch_disconnect`` ends quietly when the client went away. A choice's deltas after its last
+    one are skipped (after :meth:`_Call.end_now`, the engine's own last delta comes too)."""
+    done = set()  # the indices of the choices whose last delta came
+    while len(done) < len(call.subs):
         wait = 1.0 if call.deadline is None or call.aborted else min(1.0, call.deadline - time.monotonic())
         try:
             delta = await asyncio.wait_for(call.queue.get(), timeout=max(wait, 0.0))
@@ -224,11 +240,13 @@ async def _deltas(request: Request, call: "_Call", watch_disconnect: bool):
             elif watch_disconnect and await request.is_disconnected():
                 return
             continue
+        if delta.index in done:
+            continue
         sub = call.subs[delta.index]
         if sub.error is not None:
             raise APIError(500, sub.error, type="server_error")
         if delta.finished:
-            left -= 1
+            done.add(delta.index)
         yield delta
 
 
@@ -241,7 +259,8 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
     """The FastAPI app; the loop is started and stopped with the app's lifespan. ``max_queued``:
     a request arriving while this many wait gets 503; ``request_timeout``: seconds after which a
     request is aborted. ``await app.state.drain(timeout)`` shuts the app down gracefully (the
-    server calls it on SIGTERM before stopping)."""
+    server calls it on SIGTERM before stopping); ``app.state.end_now()`` (a second signal) ends
+    every request at once."""
     server = _Server(llm, loop, model_name, max_queued, request_timeout)
 
     @asynccontextmanager
@@ -254,7 +273,7 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
             loop.stop()
 
     app = FastAPI(title="dsa", lifespan=lifespan)
-    app.state.drain = server.drain
+    app.state.drain, app.state.end_now = server.drain, server.end_now
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -405,6 +424,14 @@ class _Call:
         if self.aborted is None:
             self.aborted = why
             self.server.abort_unfinished(self.subs)
+
+    def end_now(self) -> None:
+        """Abort it at shutdown, and give each unfinished choice its last delta ("abort") now; the
+        engine's, which comes after its current step, is skipped (:func:`_deltas`)."""
+        self.abort("shutdown")
+        for s in self.subs:
+            if not s.finished:
+                self.queue.put_nowait(Delta(-1 if s.rid is None else s.rid, finish_reason="abort", index=s.index))
 
     def abort_error(self) -> APIError:
         if self.aborted == "request timeout":
