@@ -20,6 +20,7 @@ Moby-Dick, SOTU 1990-2016 and the Linux docs (a whole source never trained on). 
 import argparse
 import glob
 import gzip
+import hashlib
 import json
 import multiprocessing
 import os
@@ -28,7 +29,6 @@ import subprocess
 import sys
 import tarfile
 import time
-import hashlib
 from concurrent.futures import ProcessPoolExecutor
 
 import text_sources

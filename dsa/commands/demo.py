@@ -7,8 +7,15 @@ on CPU; random weights, seed 0: the tokens are not language). The prompt is pref
 import json
 import time
 
-from dsa.commands.options import (add_cpu_threads_argument, add_device_argument, add_overwrite_argument,
-                                  checkpoint_errors, cpu_threads_from_args, device_from_args, refuse_to_overwrite)
+from dsa.commands.options import (
+    add_cpu_threads_argument,
+    add_device_argument,
+    add_overwrite_argument,
+    checkpoint_errors,
+    cpu_threads_from_args,
+    device_from_args,
+    refuse_to_overwrite,
+)
 
 
 def add_parser(sub) -> None:
@@ -43,11 +50,10 @@ def run(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from dsa.engine.cpu_threads import apply_cpu_threads, describe
-
     from dsa.bench.harness import env_info
     from dsa.config import bytes_per_token, indexer_layers, latent_format
     from dsa.engine import Engine, SamplingParams
+    from dsa.engine.cpu_threads import apply_cpu_threads, describe
     from dsa.kernels.common import cdiv
 
     device = device_from_args(args, "demo")

@@ -42,8 +42,8 @@ def run(args) -> int:
     import torch
 
     from dsa.bench.harness import env_info
-    from dsa.quality.fit import fit, parse_layers, plot_curve, sample_queries
     from dsa.quality.corpus import read_streams, windows
+    from dsa.quality.fit import fit, parse_layers, plot_curve, sample_queries
     from dsa.quality.selection import indexer_file, save_indexer
     from dsa.quality.teacher import LlamaTeacher
 

@@ -4,8 +4,13 @@ import json
 import os
 import platform
 
-from dsa.commands.options import (add_device_argument, add_overwrite_argument, checkpoint_errors, device_from_args,
-                                  refuse_to_overwrite)
+from dsa.commands.options import (
+    add_device_argument,
+    add_overwrite_argument,
+    checkpoint_errors,
+    device_from_args,
+    refuse_to_overwrite,
+)
 from dsa.model.preset_names import PRESET_NAMES
 from dsa.quality.choices import SWEEP, TEACHER_PRESETS
 
