@@ -1,8 +1,10 @@
 """``python -m dsa demo``: generate on the embedded default model and report speed and cache bytes.
 
-The model: :func:`dsa.model.presets.default_model` (the ``demo-gpu`` shapes on CUDA, ``demo-cpu``
-on CPU; random weights, seed 0: the tokens are not language). The prompt is prefilled in chunks of
-``--max-batch-tokens`` (default: an eighth of it), so progress shows during the prefill.
+The model: :func:`dsa.model.presets.default_model` (small and trained); its prompt is held-out text
+(two State of the Union addresses, 2015-2016, never trained on: ``dsa/data/demo_prompt.txt``), 16K
+tokens on a GPU and 4K on CPU, and the continuation is printed. ``--preset`` runs a random-weight
+preset on random token ids instead (``demo-gpu``: V3.2's attention shapes, the performance run). The
+prompt is prefilled in chunks of ``--max-batch-tokens`` (default: an eighth of it), so progress shows.
 """
 import json
 import time
@@ -11,6 +13,7 @@ from dsa.commands.options import (
     add_cpu_threads_argument,
     add_device_argument,
     add_overwrite_argument,
+    add_preset_argument,
     checkpoint_errors,
     cpu_threads_from_args,
     device_from_args,
@@ -21,7 +24,9 @@ from dsa.commands.options import (
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="generate on an embedded default model (or --checkpoint) and report speed")
     p.add_argument("--checkpoint", help="a HF checkpoint folder (deepseek_v32, glm_moe_dsa, deepseek_v3)")
-    p.add_argument("--context", type=int, help="prompt tokens (default: 4096 on CPU, 32768 on a GPU)")
+    add_preset_argument(p)
+    p.add_argument("--context", type=int, help="prompt tokens (default: 4096 on CPU; on a GPU 16384 minus "
+                   "--new-tokens for the embedded default, 32768 for a preset or checkpoint)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
     p.add_argument("--batch", type=int, default=1, help="requests generated together (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, help="rows per step, the prefill chunk (default: an eighth of "
@@ -39,11 +44,28 @@ def build_model(args, device):
     import torch
 
     from dsa.model import DSAModel
-    from dsa.model.presets import default_model
+    from dsa.model.presets import default_model, preset_model
+    if args.checkpoint and args.preset:
+        raise SystemExit("dsa demo: --preset: give --checkpoint or --preset, not both")
     if args.checkpoint:
         with checkpoint_errors("demo", args.checkpoint):
             return DSAModel.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device=device, tp_size=args.tp)
+    if args.preset:
+        return preset_model(args.preset, device, tp_size=args.tp)
     return default_model(device, tp_size=args.tp)
+
+
+def held_out_prompt(tokens: int) -> list:
+    """The first ``tokens`` ids of ``dsa/data/demo_prompt.txt`` under the embedded default's tokenizer
+    (the text repeated when it is shorter)."""
+    import os
+
+    from dsa.model.presets import DEFAULT_CHECKPOINT
+    from dsa.serve.tokenizer import Tokenizer
+    tok = Tokenizer.from_pretrained(DEFAULT_CHECKPOINT)
+    with open(os.path.join(os.path.dirname(DEFAULT_CHECKPOINT), "demo_prompt.txt"), encoding="utf-8") as f:
+        ids = tok.encode(f.read())
+    return (ids * (tokens // len(ids) + 1))[:tokens], tok
 
 
 def run(args) -> int:
@@ -58,7 +80,9 @@ def run(args) -> int:
 
     device = device_from_args(args, "demo")
     refuse_to_overwrite("demo", "--json", [args.json] if args.json else [], args.overwrite)
-    context = args.context if args.context is not None else (32768 if device.type == "cuda" else 4096)
+    trained = not (args.checkpoint or args.preset)
+    gpu_context = 16384 - args.new_tokens if trained else 32768
+    context = args.context if args.context is not None else (gpu_context if device.type == "cuda" else 4096)
     for flag, value in (("--context", context), ("--new-tokens", args.new_tokens), ("--batch", args.batch),
                         ("--max-batch-tokens", args.max_batch_tokens)):
         if value is not None and value < 1:
@@ -71,17 +95,27 @@ def run(args) -> int:
     load_s = time.perf_counter() - t0
     per_request = cdiv(context + args.new_tokens, cfg.block_size)
     chunk = args.max_batch_tokens or min(8192, cdiv(context * args.batch, 8 * cfg.block_size) * cfg.block_size)
-    engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=chunk)
-    quiet = model.tp.rank != 0  # under tensor parallelism rank 0 reports
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist() for _ in range(args.batch)]
+    tokenizer = None
+    if trained:
+        prompt, tokenizer = held_out_prompt(context)
+        prompts = [prompt] * args.batch
+    else:
+        prompts = [torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist() for _ in range(args.batch)]
+    engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=chunk, tokenizer=tokenizer)
+    quiet = model.tp.rank != 0  # under tensor parallelism rank 0 reports
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)  # exactly N tokens
     if device.type == "cuda":  # compile every kernel and capture the decode graphs before timing
         report = engine.warmup(progress=not model.tp.rank)
         if not model.tp.rank:
             print(f"warm-up: {report['seconds']} s, {report['graphs_captured']} CUDA graphs")
-    for p in prompts:
-        engine.add_request(p, sampling=sampling)
+    first = [engine.add_request(p, sampling=sampling) for p in prompts][0]
+    continuation = []
+
+    def step() -> int:
+        out = engine.step()
+        continuation.extend(out.get(first, ()))
+        return sum(len(v) for v in out.values())
 
     def sync():
         if device.type == "cuda":
@@ -96,7 +130,7 @@ def run(args) -> int:
         tokens = engine.stats.tokens
         sync()
         t = time.perf_counter()
-        produced_in_prefill += sum(len(v) for v in engine.step().values())
+        produced_in_prefill += step()
         sync()
         prefill_s += time.perf_counter() - t
         prefill_bar.update(engine.stats.tokens - tokens)
@@ -105,7 +139,7 @@ def run(args) -> int:
     decode_bar = tqdm(total=decode_tokens, unit="tok", desc="decode", disable=quiet)
     t = time.perf_counter()
     while engine.has_work():
-        decode_bar.update(sum(len(v) for v in engine.step().values()))
+        decode_bar.update(step())
     sync()
     decode_s = time.perf_counter() - t
     decode_bar.close()
@@ -145,6 +179,11 @@ def run(args) -> int:
           f"(+{100 * (dsa_bytes - dense_bytes) / dense_bytes:.1f}% for the indexer keys)")
     print(f"layers running the indexer: {result['indexer_layers']} of {cfg.num_hidden_layers}")
     print("rows served: " + ", ".join(f"{k} {v}" for k, v in engine.stats.rows.items() if v))
+    if tokenizer is not None:
+        from dsa.commands.generate import escape_controls
+        result["continuation"] = tokenizer.decode(continuation)
+        print(f"prompt: ...{escape_controls(tokenizer.decode(prompts[0][-24:]))!r}")
+        print(f"continuation (greedy): {escape_controls(result['continuation'])!r}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

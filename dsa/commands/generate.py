@@ -1,14 +1,14 @@
 """``dsa generate --prompt TEXT``: stream a completion of one prompt to stdout.
 
-Without ``--checkpoint`` the embedded default model answers (random weights and the byte-level
-tokenizer: the text is not language). A start line (the model, dtype, device and CPU threads) and
+Without ``--checkpoint`` or ``--preset`` the embedded default model answers (a small trained base
+model: fluent fragments, not facts). A start line (the model, dtype, device and CPU threads) and
 a summary go to stderr. On a terminal, control characters other than newline and tab are shown
 escaped (``\\x07``); written to a pipe or a file, the text is as generated.
 """
 import sys
 import time
 
-from dsa.commands.options import add_model_arguments, llm_from_args
+from dsa.commands.options import add_model_arguments, add_preset_argument, llm_from_args
 
 # C0 and C1 control characters and DEL, but newline and tab: what a terminal would act on
 CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t"}
@@ -17,6 +17,7 @@ CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="stream a completion of --prompt to stdout")
     add_model_arguments(p)
+    add_preset_argument(p)
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
@@ -33,18 +34,20 @@ def escape_controls(text: str) -> str:
     return text.translate(CONTROLS)
 
 
-def start_line(llm, checkpoint) -> str:
-    """What runs: the model (a checkpoint folder, or the embedded default's random weights), its
+def start_line(llm, checkpoint, preset=None) -> str:
+    """What runs: the model (a checkpoint folder, a random-weight preset or the embedded default), its
     dtype and device, and on CPU the threads."""
     from dsa.engine.cpu_threads import describe
-    from dsa.model.presets import default_preset
 
     model = llm.model
     if checkpoint is not None:
         what = f"checkpoint {checkpoint}"
+    elif preset is not None:
+        what = f"preset {preset} (random weights, the byte-level tokenizer: the text is not language)"
     else:
-        what = (f"embedded default (random weights, {default_preset(model.device)} shapes: the text is not "
-                "language; --checkpoint for a trained model)")
+        c = model.config
+        what = (f"embedded default (trained, {c.num_hidden_layers} layers x {c.hidden_size}, "
+                f"index_topk {c.index_topk}: a small base model, fluent fragments, not facts)")
     threads = f", {describe(llm.cpu_threads, llm.cpu_threads_reason)}" if llm.cpu_threads is not None else ""
     return f"dsa generate: model: {what}; {str(model.dtype).removeprefix('torch.')} on {model.device}{threads}"
 
@@ -58,7 +61,7 @@ def run(args) -> int:
     except ValueError as e:
         raise SystemExit(f"dsa generate: {e}") from None
     llm = llm_from_args(args, "generate")
-    print(start_line(llm, args.checkpoint), file=sys.stderr, flush=True)
+    print(start_line(llm, args.checkpoint, args.preset), file=sys.stderr, flush=True)
     show = escape_controls if sys.stdout.isatty() else str
     prompt = llm.chat_ids([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     t0 = time.perf_counter()

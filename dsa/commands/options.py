@@ -9,7 +9,7 @@ DEVICE_HELP = ("cpu, cuda or cuda:N (gpu and gpu:N mean cuda and cuda:N) (defaul
 
 def add_model_arguments(p) -> None:
     p.add_argument("--checkpoint", help="a HF checkpoint folder with tokenizer.json (default: the embedded "
-                   "random-weight model with the byte-level tokenizer)")
+                   "default model, small and trained)")
     add_device_argument(p)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--num-blocks", type=int, help="cache blocks (default: 80%% of free GPU memory; on CPU one "
@@ -18,6 +18,12 @@ def add_model_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once; later ones wait "
                    "(default: %(default)s)")
     add_cpu_threads_argument(p)
+
+
+def add_preset_argument(p) -> None:
+    from dsa.model.preset_names import PRESET_NAMES
+    p.add_argument("--preset", choices=PRESET_NAMES, help="a random-weight preset with the byte-level tokenizer "
+                   "instead of the embedded default (demo-gpu: V3.2's attention shapes, for speed; default: none)")
 
 
 def add_cpu_threads_argument(p) -> None:

@@ -23,15 +23,13 @@ import os
 import signal
 import sys
 
-from dsa.commands.options import add_model_arguments, device_from_args, llm_from_args
-from dsa.model.preset_names import PRESET_NAMES
+from dsa.commands.options import add_model_arguments, add_preset_argument, device_from_args, llm_from_args
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install -e '.[serve]')")
     add_model_arguments(p)
-    p.add_argument("--preset", choices=PRESET_NAMES, help="a random-weight preset with the byte-level tokenizer "
-                   "instead of a checkpoint (default: the embedded default model, demo-gpu on CUDA, demo-cpu else)")
+    add_preset_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="default: %(default)s")
     p.add_argument("--api-key", default=os.environ.get("DSA_API_KEY"),

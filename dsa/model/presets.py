@@ -7,6 +7,7 @@
 :mod:`dsa.serve.tokenizer`). ``tiny`` and ``glm-skip-small`` are test and recall shapes.
 """
 import dataclasses
+import os
 
 import torch
 
@@ -34,15 +35,16 @@ PRESETS = {  # name -> a config factory, one for each of PRESET_NAMES (in its or
 }
 
 
-def default_model(device, dtype: torch.dtype | None = None, seed: int = 0, tp_size: int = 1):
-    """The embedded default model: random weights (seed ``seed``), the ``demo-gpu`` shapes on CUDA
-    (bf16), else the ``demo-cpu`` ones (fp32)."""
-    return preset_model(default_preset(device), device, dtype, seed, tp_size)
+DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "default")
 
 
-def default_preset(device) -> str:
-    """The embedded default model's preset on ``device``: ``demo-gpu`` on CUDA, else ``demo-cpu``."""
-    return "demo-gpu" if torch.device(device).type == "cuda" else "demo-cpu"
+def default_model(device, dtype: torch.dtype | None = None, tp_size: int = 1):
+    """The embedded default model: the trained checkpoint in ``DEFAULT_CHECKPOINT`` (5 layers + MTP,
+    hidden 384, the V3.2 latent and indexer shapes, ``index_topk`` 512, 16K context, a 4,096-token BPE;
+    ``benchmarks/train_default/train.py`` made it), bf16 on CUDA, else fp32."""
+    from dsa.model import DSAModel
+    dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+    return DSAModel.from_pretrained(DEFAULT_CHECKPOINT, dtype=dtype, device=device, tp_size=tp_size)
 
 
 def preset_model(name: str, device, dtype: torch.dtype | None = None, seed: int = 0, tp_size: int = 1):

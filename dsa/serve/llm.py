@@ -41,7 +41,8 @@ class LLM:
     """Generation with a tokenizer on one :class:`~dsa.engine.engine.Engine`.
 
     ``checkpoint``: a HF folder (weights, ``config.json``, ``tokenizer.json``); None: the embedded
-    default model (random weights, seed ``seed``) with the byte-level tokenizer. ``tokenizer``: a
+    default model (:data:`dsa.model.presets.DEFAULT_CHECKPOINT`, a small trained model with its
+    tokenizer). ``tokenizer``: a
     folder or tokenizer object to use instead. ``dtype``/``device``: default bf16 on CUDA, fp32 on
     CPU. ``engine_options``: :class:`~dsa.engine.engine.Engine` arguments (``num_blocks`` or
     ``memory_bytes``, ``max_batch_tokens``, ``cuda_graphs``). ``warmup``: run
@@ -60,24 +61,20 @@ class LLM:
     """
 
     def __init__(self, checkpoint=None, *, tokenizer=None, dtype: torch.dtype | None = None, device=None,
-                 seed: int = 0, warmup: bool | None = None, tp_size: int = 1, cpu_threads: int | None = None,
+                 warmup: bool | None = None, tp_size: int = 1, cpu_threads: int | None = None,
                  **engine_options):
         from dsa.model import DSAModel
-        from dsa.model.presets import default_model
+        from dsa.model.presets import DEFAULT_CHECKPOINT
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._set_threads(device, cpu_threads)
-        if checkpoint is not None:
-            dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-            model = DSAModel.from_pretrained(checkpoint, dtype=dtype, device=device, tp_size=tp_size)
-        else:
-            model = default_model(device, dtype, seed, tp_size)
+        folder = DEFAULT_CHECKPOINT if checkpoint is None else checkpoint
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model = DSAModel.from_pretrained(folder, dtype=dtype, device=device, tp_size=tp_size)
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = Tokenizer.from_pretrained(tokenizer)
-        elif tokenizer is None and checkpoint is None:
-            tokenizer = ByteTokenizer()
-        elif tokenizer is None and os.path.exists(os.path.join(os.fspath(checkpoint), "tokenizer.json")):
-            tokenizer = Tokenizer.from_pretrained(checkpoint)
+        elif tokenizer is None and os.path.exists(os.path.join(os.fspath(folder), "tokenizer.json")):
+            tokenizer = Tokenizer.from_pretrained(folder)
         self._attach(model, tokenizer, engine_options, warmup)
         self.checkpoint = checkpoint
 
