@@ -184,25 +184,31 @@ def test_a_failing_generate_leaves_the_pool_full(model, monkeypatch):
 
 
 def test_default_llm_text_in_text_out(capsys):
-    """The embedded default model with the byte-level tokenizer (random weights: the text is not
-    language), and ``dsa generate`` streaming it."""
+    """The embedded default model (trained, with its BPE tokenizer), and ``dsa generate`` streaming it
+    with the checkpoint's sampling defaults (generation_config.json) unless told otherwise."""
     llm = dsa.LLM(device="cpu")
     cfg = llm.model.config
-    assert (cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id) == (258, BYTE_BOS_ID, BYTE_EOS_ID)
+    assert (cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id, cfg.num_hidden_layers) == (4096, 0, 1, 5)
+    assert llm.generation_defaults == {"temperature": 0.7, "top_p": 0.9}
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     out = llm.generate(["héllo"], sp)[0]
-    assert out.prompt_token_ids == [BYTE_BOS_ID] + list("héllo".encode())
+    assert out.prompt_token_ids == llm.tokenizer.encode("héllo") and out.prompt_token_ids[0] == 0  # BOS
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
     assert out.text == llm.tokenizer.decode(out.token_ids)
-    assert llm.chat([{"role": "user", "content": "hi"}], sp)[0].prompt_token_ids[-11:] == list(b"assistant: ")
+    assert llm.chat([{"role": "user", "content": "hi"}], sp)[0].prompt_token_ids[-3:] == llm.tokenizer.encode(
+        "assistant:")[-3:]
     from dsa.cli import main
-    assert main(["generate", "--prompt", "héllo", "--max-tokens", "4", "--device", "cpu"]) == 0
+    assert main(["generate", "--prompt", "héllo", "--max-tokens", "4", "--device", "cpu", "--temperature", "0"]) == 0
     captured = capsys.readouterr()
     assert captured.out == llm.generate(["héllo"], SamplingParams(max_tokens=4, temperature=0))[0].text + "\n"
     assert "finish_reason=" in captured.err
     start = captured.err.splitlines()[0]
-    assert start.startswith("dsa generate: model: embedded default (random weights, demo-cpu shapes") and \
+    assert start.startswith("dsa generate: model: embedded default (trained, 5 layers x 384") and \
         "; float32 on cpu, " in start and " CPU thread" in start, start
+    assert main(["generate", "--prompt", "Once upon a time", "--max-tokens", "8", "--device", "cpu", "--seed",
+                 "3"]) == 0
+    sampled = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=3)
+    assert capsys.readouterr().out == llm.generate(["Once upon a time"], sampled)[0].text + "\n"
 
 
 @pytest.mark.parametrize("text, shown", [
@@ -222,7 +228,7 @@ def test_generate_escapes_control_characters_on_a_terminal_only(monkeypatch, cap
     from dsa.commands import generate
     pieces = ["ok\x07", "\x1b[2J", "\n\tend"]
     fake = types.SimpleNamespace(model=types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32),
-                                 cpu_threads=1, cpu_threads_reason="asked for",
+                                 cpu_threads=1, cpu_threads_reason="asked for", generation_defaults={},
                                  stream=lambda prompts, sampling: iter(dsa.Delta(0, [i], t) for i, t in enumerate(pieces)))
     monkeypatch.setattr(generate, "llm_from_args", lambda args, command: fake)
     monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)

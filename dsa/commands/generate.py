@@ -21,9 +21,11 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="default: %(default)s")
-    p.add_argument("--top-k", type=int, default=0, help="0: no limit (default: %(default)s)")
+    p.add_argument("--temperature", type=float, help="0 is greedy (default: the model's generation_config.json, "
+                   "0.7 for the embedded default; else 0)")
+    p.add_argument("--top-p", type=float, help="default: the model's generation_config.json (0.9 for the embedded "
+                   "default), else 1.0")
+    p.add_argument("--top-k", type=int, help="0: no limit (default: the model's generation_config.json, else 0)")
     p.add_argument("--seed", type=int, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable; default: none)")
     p.set_defaults(func=run)
@@ -55,12 +57,15 @@ def start_line(llm, checkpoint, preset=None) -> str:
 def run(args) -> int:
     from dsa.engine.sampling import SamplingParams
 
+    given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
+             if v is not None}
     try:
-        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  top_k=args.top_k, seed=args.seed, stop=args.stop)
+        SamplingParams(max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, **given)  # checked before loading
     except ValueError as e:
         raise SystemExit(f"dsa generate: {e}") from None
     llm = llm_from_args(args, "generate")
+    defaults = {"temperature": 0.0, **llm.generation_defaults}  # greedy where the model says nothing
+    sampling = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, **{**defaults, **given})
     print(start_line(llm, args.checkpoint, args.preset), file=sys.stderr, flush=True)
     show = escape_controls if sys.stdout.isatty() else str
     prompt = llm.chat_ids([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt

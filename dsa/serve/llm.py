@@ -5,6 +5,7 @@
     out[0].text, out[0].token_ids, out[0].finish_reason  # "stop" or "length"
     llm.chat([{"role": "user", "content": "Hi"}])         # the checkpoint's chat template
 """
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -37,6 +38,23 @@ def default_cache_blocks(model) -> dict:
     return {"num_blocks": cdiv(c.max_position_embeddings, c.block_size)}
 
 
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def generation_defaults(folder) -> dict:
+    """The sampling defaults a checkpoint's ``generation_config.json`` gives (``temperature``, ``top_p``,
+    ``top_k``, ``min_p``, when ``do_sample`` is not false), as vLLM reads them: what a request or a
+    command that leaves them out samples with."""
+    path = os.path.join(os.fspath(folder), "generation_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        config = json.load(f)
+    if config.get("do_sample") is False:
+        return {}
+    return {k: config[k] for k in SAMPLING_DEFAULTS if k in config}
+
+
 class LLM:
     """Generation with a tokenizer on one :class:`~dsa.engine.engine.Engine`.
 
@@ -48,6 +66,9 @@ class LLM:
     ``memory_bytes``, ``max_batch_tokens``, ``cuda_graphs``). ``warmup``: run
     :meth:`Engine.warmup` before returning (None: on CUDA, where Triton compiles on first use;
     skipped on CPU), its report in ``warmup_report``. Thread-safe like the engine.
+
+    ``generation_defaults``: the checkpoint's sampling defaults (:func:`generation_defaults`), which
+    ``dsa generate`` and ``dsa serve`` use for what a request leaves out.
 
     ``cpu_threads``: torch's CPU thread count, set before the model is built (None: on CPU, one per
     CPU that other processes leave free, unless the user set a count with ``OMP_NUM_THREADS`` or
@@ -77,6 +98,7 @@ class LLM:
             tokenizer = Tokenizer.from_pretrained(folder)
         self._attach(model, tokenizer, engine_options, warmup)
         self.checkpoint = checkpoint
+        self.generation_defaults = generation_defaults(folder)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, warmup: bool | None = None, cpu_threads: int | None = None,
@@ -86,6 +108,7 @@ class LLM:
         llm._set_threads(model.device, cpu_threads)
         llm._attach(model, tokenizer, engine_options, warmup)
         llm.checkpoint = None
+        llm.generation_defaults = {}
         return llm
 
     def _set_threads(self, device: torch.device, cpu_threads: int | None) -> None:

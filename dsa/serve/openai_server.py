@@ -106,14 +106,16 @@ def error_response(status: int, message: str, param=None, code=None, type="inval
                         headers=headers)
 
 
-def _sampling(body: _Sampled, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(body: _Sampled, max_tokens: int, logprobs: int | None, defaults: dict) -> SamplingParams:
+    """The request's sampling; what it leaves out of temperature / top_p / top_k / min_p comes from
+    ``defaults`` (the checkpoint's generation_config.json)."""
     if body.n != 1:
         raise APIError(400, f"n: only n=1 is supported, got {body.n}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise APIError(400, f"{name}: not supported (give 0)", name)
-    given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids")
-             if getattr(body, k) is not None}
+    given = {**defaults, **{k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                                                          "stop_token_ids") if getattr(body, k) is not None}}
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=body.ignore_eos, **given)
     except ValueError as e:
@@ -127,6 +129,7 @@ class _Server:
     def __init__(self, llm, loop: EngineLoop, model_name: str, max_queued: int | None = None,
                  request_timeout: float | None = None):
         self.llm, self.loop, self.model_name = llm, loop, model_name
+        self.sampling_defaults = getattr(llm, "generation_defaults", {})
         self.max_queued, self.request_timeout = max_queued, request_timeout
         self.calls = set()  # _Call objects in flight
         self.draining = False
@@ -332,7 +335,7 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
             raise APIError(400, "max_tokens: expected an int", "max_tokens")
         prompt = body.prompt
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-        sampling = _sampling(body, body.max_tokens, body.logprobs)
+        sampling = _sampling(body, body.max_tokens, body.logprobs, server.sampling_defaults)
         ids = [server.check(server.encode(p), sampling) for p in batch]
         return await _respond(request, server, ids, sampling, body, chat=False)
 
@@ -352,7 +355,8 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
             max_tokens = max(1, min(CHAT_DEFAULT_MAX_TOKENS, server.limit - len(ids)))
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
-        sampling = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        sampling = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                             server.sampling_defaults)
         ids = server.check(ids, sampling)
         return await _respond(request, server, [ids], sampling, body, chat=True)
 
