@@ -123,7 +123,8 @@ def test_generate_help_shows_the_real_sampling_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "0 is greedy (default: 0.0)" in text and "--top-p TOP_P default: 1.0" in text, text
+    assert "0 is greedy (default: the model's generation_config.json, 0.7 for the embedded default; else 0)" in text
+    assert "--top-p TOP_P default: the model's generation_config.json (0.9 for the embedded default), else 1.0" in text
 
 
 DEVICE_COMMANDS = {  # command -> the rest of a command line that would otherwise run
