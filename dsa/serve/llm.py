@@ -1,6 +1,6 @@
 """``dsa.LLM``: text in, text out, on a checkpoint folder or the embedded default model.
 
-    llm = dsa.LLM("path/to/checkpoint")                  # or dsa.LLM(): random weights, byte tokenizer
+    llm = dsa.LLM("path/to/checkpoint")                  # or dsa.LLM(): the embedded default (trained)
     out = llm.generate(["The capital of France is"], dsa.SamplingParams(max_tokens=32, temperature=0))
     out[0].text, out[0].token_ids, out[0].finish_reason  # "stop" or "length"
     llm.chat([{"role": "user", "content": "Hi"}])         # the checkpoint's chat template
