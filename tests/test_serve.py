@@ -520,3 +520,18 @@ def test_shutdown_refuses_new_requests_and_lets_those_in_flight_finish(long_chec
     assert _exit_code(s, TIMEOUT) == 0
     s.stop()
     assert "Traceback" not in s.output()
+
+
+def test_a_request_leaves_out_what_the_checkpoint_defaults():
+    """temperature / top_p / top_k / min_p a request does not give come from the checkpoint's
+    generation_config.json (the embedded default's 0.7 / 0.9); what it gives wins."""
+    from dsa.model.presets import DEFAULT_CHECKPOINT
+    from dsa.serve.llm import generation_defaults
+    from dsa.serve.openai_server import CompletionRequest, _sampling
+    defaults = generation_defaults(DEFAULT_CHECKPOINT)
+    assert defaults == {"temperature": 0.7, "top_p": 0.9}
+    left_out = _sampling(CompletionRequest(model="m", prompt="x", max_tokens=3), 3, None, defaults)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.7, 0.9, 0)
+    given = _sampling(CompletionRequest(model="m", prompt="x", max_tokens=3, temperature=0.0), 3, None, defaults)
+    assert (given.temperature, given.top_p) == (0.0, 0.9)
+    assert _sampling(CompletionRequest(model="m", prompt="x", max_tokens=3), 3, None, {}).temperature == 1.0
