@@ -23,7 +23,6 @@ import torch
 from tqdm import tqdm
 
 from dsa.config import layer_runs_indexer
-from dsa.quality.choices import SWEEP
 
 FIGURES = ("recall_by_layer.png", "recall_by_position.png", "recall_by_k.png")  # what plot() writes
 

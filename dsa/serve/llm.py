@@ -14,7 +14,7 @@ import torch
 from dsa.engine import Engine, SamplingParams
 from dsa.engine.cpu_threads import apply_cpu_threads
 from dsa.kernels.common import cdiv
-from dsa.serve.tokenizer import ByteTokenizer, Tokenizer
+from dsa.serve.tokenizer import Tokenizer
 
 
 @dataclass
