@@ -33,7 +33,7 @@ def test_recall_help_shows_defaults_and_a_sweep_within_the_context(capsys):
         main(["recall", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 1024)" in text and "(default: 32)" in text and "(default: tiny)" in text
-    from dsa.quality.recall import SWEEP
+    from dsa.quality.choices import SWEEP
     assert f"from {SWEEP[0]} to {SWEEP[-1]} below the context" in text
     assert [k for k in SWEEP if k < 1024] == [64, 128, 256, 512]
 
