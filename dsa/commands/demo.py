@@ -55,9 +55,9 @@ def build_model(args, device):
     return default_model(device, tp_size=args.tp)
 
 
-def held_out_prompt(tokens: int) -> list:
-    """The first ``tokens`` ids of ``dsa/data/demo_prompt.txt`` under the embedded default's tokenizer
-    (the text repeated when it is shorter)."""
+def held_out_prompt(tokens: int) -> tuple:
+    """``(ids, tokenizer)``: the first ``tokens`` ids of ``dsa/data/demo_prompt.txt`` under the embedded
+    default's tokenizer (the text repeated when it is shorter)."""
     import os
 
     from dsa.model.presets import DEFAULT_CHECKPOINT

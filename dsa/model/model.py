@@ -103,15 +103,7 @@ class DSAModel(nn.Module):
             return model.finalize(dtype, device)
         with torch.device(device):
             model = cls(config)
-        g = torch.Generator(device=device).manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                    p.fill_(1.0)
-                elif p.dim() >= 2:
-                    p.normal_(0.0, 0.02, generator=g)
-                else:
-                    p.zero_()
+        init_random_(model, torch.Generator(device=device).manual_seed(seed))
         return model.finalize(dtype, device)
 
     @classmethod
@@ -220,6 +212,19 @@ class DSAModel(nn.Module):
         table = torch.arange(b * per, dtype=torch.int32).view(b, per)
         plan = self.plan([s] * b, [0] * b, table, input_ids=input_ids.reshape(-1))
         return self.step(plan, caches).view(b, s, -1)
+
+
+@torch.no_grad()
+def init_random_(module: nn.Module, generator: torch.Generator) -> nn.Module:
+    """HF's init in place: normal(0, 0.02) for matrices and embeddings, norms at 1, zero biases."""
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            p.fill_(1.0)
+        elif p.dim() >= 2:
+            p.normal_(0.0, 0.02, generator=generator)
+        else:
+            p.zero_()
+    return module
 
 
 def shard_state_dict(full: dict, model: "DSAModel", tp: TensorParallel) -> dict:

@@ -100,18 +100,10 @@ class MTP(nn.Module):
 
 def new_mtp(config: DSAConfig, seed: int, device) -> MTP:
     """A trainable fp32 :class:`MTP` with ``DSAModel.random``'s init (normal(0, 0.02), norms at 1)."""
+    from dsa.model.model import init_random_
     with torch.device(device):
         mtp = MTP(config)
-    g = torch.Generator(device=device).manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in mtp.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                p.fill_(1.0)
-            elif p.dim() >= 2:
-                p.normal_(0.0, 0.02, generator=g)
-            else:
-                p.zero_()
-    return mtp.train()
+    return init_random_(mtp, torch.Generator(device=device).manual_seed(seed + 1)).train()
 
 
 def _named(model, mtp=None):
