@@ -198,6 +198,42 @@ def test_fp8_export_with_mtp_loads_in_dsamodel_and_transformers(tmp_path):
     assert cos.mean() >= 0.998, f"mean cosine {cos.mean():.5f}"  # transformers dequantizes to bf16 on CPU
 
 
+def test_refit_imports_an_export_and_replaces_only_its_indexers(tmp_path):
+    """``import_export`` inverts the FP8 export (re-exporting gives the same bytes); ``replace_indexers``
+    changes the indexer tensors and leaves every other tensor byte for byte."""
+    from safetensors.torch import load_file
+
+    text = tmp_path / "train.txt"
+    text.write_text(f"\n{T.EOS}\n".join(TEXT))
+    T.train_tokenizer([str(text)], 300, str(tmp_path / "tokenizer.json"))
+    config = T.model_config(300, 2, 128, 256, index_heads=4, q_lora_rank=128, intermediate_size=256)
+    model, mtp = T.new_model(config, 0, "cpu").eval(), T.new_mtp(config, 0, "cpu").eval()
+    src = T.export(model, str(tmp_path / "tokenizer.json"), str(tmp_path / "src"), dtype=torch.bfloat16, mtp=mtp,
+                   fp8=True)
+    back, back_mtp = T.import_export(src, "cpu")
+    assert back_mtp is not None and back.config.n_routed_experts is None
+
+    def raw(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    before = load_file(os.path.join(src, "model.safetensors"))
+    again = T.export_tensors(back, back_mtp, torch.bfloat16, fp8=True)
+    assert sorted(again) == sorted(before)
+    changed = [n for n in before if not torch.equal(raw(before[n]), raw(again[n]))]
+    assert not changed, f"re-exported tensors differ: {changed[:4]}"
+    with torch.no_grad():
+        for n, p in list(back.named_parameters()) + list(back_mtp.named_parameters()):
+            if ".indexer." in n:
+                p.add_(0.01)
+    done = T.replace_indexers(src, back, back_mtp, str(tmp_path / "out"))
+    after = load_file(str(tmp_path / "out" / "model.safetensors"))
+    indexer = {n for n in before if ".indexer." in n}
+    assert done == {"replaced": len(indexer), "kept": len(before) - len(indexer)}
+    differ = {n for n in before if not torch.equal(raw(before[n]), raw(after[n]))}
+    assert differ and differ <= indexer, f"changed outside the indexers: {sorted(differ - indexer)[:4]}"
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(os.listdir(src))
+
+
 @pytest.mark.slow
 def test_script_end_to_end(tmp_path):
     """``prepare`` + ``train`` on two short texts, one step per stage: train.json, the plot, the export."""

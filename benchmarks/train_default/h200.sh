@@ -7,6 +7,14 @@
 #   bash benchmarks/train_default/h200.sh wait SECONDS       # hold the machine, show the log, copy results to $OUT
 #   bash benchmarks/train_default/h200.sh collect            # the export as parts of <= 15 MiB, train.json, plot, log
 #
+# More indexer warm-up for the shipped default (`train.py refit`), with the token ids of `train.py prepare
+# --tokenizer dsa/data/default/tokenizer.json` packed as .xfer/refit-data.tar.xz (+ refit-data.sha256):
+#
+#   bash benchmarks/train_default/h200.sh refit-start [ARGS...]  # unpack, check, refit detached
+#   bash benchmarks/train_default/h200.sh refit-wait SECONDS      # hold the machine; when done, results to $OUT
+#   bash benchmarks/train_default/h200.sh check [NAME CKPT]       # demo (JSON to $OUT) and generate on the default
+#   bash benchmarks/train_default/h200.sh gpu-tests               # pytest -m gpu
+#
 # On a CPU machine with network: fetch the text (benchmarks/quality/fetch_text.py), train the tokenizer
 # (`train.py prepare --only-tokenizer`), then `h200.sh pack TEXT_DIR TOKENIZER_JSON` writes the text and the
 # tokenizer as xz parts into .xfer/ (ignored by git), carried over a few calls; the H200 tokenizes them with
@@ -63,5 +71,34 @@ collect)
     tar -C $RUN -cf /tmp/model.tar model && split -b 15M -d /tmp/model.tar $OUT/model.tar.part
     (cd $OUT && sha256sum /tmp/model.tar | sed 's|/tmp/||' > model.tar.sha256)
     ls -la $OUT ;;
-*) echo "usage: $0 pack TEXT_DIR TOKENIZER | receive PART... | smoke | start [ARGS...] | wait SECONDS | collect" >&2; exit 2 ;;
+refit-start)
+    shift
+    $py -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
+    (cd .xfer && sha256sum -c refit-data.sha256)
+    rm -rf /tmp/refit-data /tmp/refit-run && mkdir -p /tmp/refit-data /tmp/refit-run
+    xz -d -T0 < .xfer/refit-data.tar.xz | tar -C /tmp/refit-data -xf -
+    cp -r dsa/data/default /tmp/refit-source  # the export as this call found it
+    setsid nohup $py benchmarks/train_default/train.py refit --from /tmp/refit-source --data /tmp/refit-data \
+        --out /tmp/refit-run "$@" > /tmp/refit-run/log 2>&1 < /dev/null &
+    sleep 20; tail -5 /tmp/refit-run/log ;;
+refit-wait)
+    for _ in $(seq "$2"); do [ -f /tmp/refit-run/refit.json ] && break; sleep 1; done
+    grep -v '^\[warmup\] {' /tmp/refit-run/log | cut -c1-400 | tail -12
+    mkdir -p $OUT; cp /tmp/refit-run/log $OUT/refit.log
+    if [ -f /tmp/refit-run/refit.json ]; then
+        cp /tmp/refit-run/refit.json $OUT/
+        tar -C /tmp/refit-run -cf /tmp/refit-model.tar model && split -b 15M -d /tmp/refit-model.tar $OUT/model.tar.part
+        (cd /tmp && sha256sum refit-model.tar) > $OUT/model.tar.sha256
+    fi
+    ls -la $OUT ;;
+check)  # [NAME CHECKPOINT]: demo and generate on the embedded default, or on CHECKPOINT (results named NAME)
+    $py -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
+    mkdir -p $OUT; name=${2:-default}; ckpt=${3:+--checkpoint $3}
+    $py -m dsa demo $ckpt --json $OUT/demo-h200-$name.json 2>&1 | grep -v "it/s\|step/s" | tail -25
+    $py -m dsa generate $ckpt --prompt "Once upon a time" --max-tokens 64 --seed 0 2>&1 | tail -8 ;;
+gpu-tests)
+    $py -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
+    $py -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -15 ;;
+*) echo "usage: $0 pack TEXT_DIR TOKENIZER | receive PART... | smoke | start [ARGS...] | wait SECONDS | collect |" \
+        "refit-start [ARGS...] | refit-wait SECONDS | check [NAME CKPT] | gpu-tests" >&2; exit 2 ;;
 esac

@@ -142,10 +142,13 @@ def train_stage(model, mtp, stage: str, streams: dict, args, g: torch.Generator,
 
     mode = "dense" if stage == "long" else stage
     params = set_trainable(model, mode, mtp)
-    groups = {"dense": [(model_params(model, mtp), args.lr)], "long": [(model_params(model, mtp), args.long_lr)],
-              "warmup": [(indexer_params(model, mtp), args.indexer_lr)],
-              "sparse": [(model_params(model, mtp), args.sparse_lr), (indexer_params(model, mtp), args.indexer_lr)]}
-    opt = torch.optim.AdamW([{"params": p, "lr": lr, "base_lr": lr} for p, lr in groups[stage]], betas=(0.9, 0.95),
+    if stage == "warmup":
+        groups = [(indexer_params(model, mtp), args.indexer_lr)]
+    elif stage == "sparse":
+        groups = [(model_params(model, mtp), args.sparse_lr), (indexer_params(model, mtp), args.indexer_lr)]
+    else:
+        groups = [(model_params(model, mtp), args.lr if stage == "dense" else args.long_lr)]
+    opt = torch.optim.AdamW([{"params": p, "lr": lr, "base_lr": lr} for p, lr in groups], betas=(0.9, 0.95),
                             weight_decay=args.weight_decay)
     budget = 60 * getattr(args, f"{stage}_minutes")
     context, batch_size = stage_shape(stage, args)
@@ -393,6 +396,63 @@ def train(args) -> int:
     return 0
 
 
+def refit(args) -> int:
+    """More indexer warm-up for an exported checkpoint: the model and its MTP module frozen, their indexers
+    trained (KL to the dense attention) at ``--long-context`` for ``--warmup-minutes``; held-out loss and
+    recall before and after, the same run; ``OUT/model`` is the export with only its indexer tensors
+    replaced; ``OUT/refit.json`` the record."""
+    from dsa.quality.train import import_export, replace_indexers, selection_recall
+
+    manifest, streams, heldout = load_data(args.data)
+    if sha256(os.path.join(args.source, "tokenizer.json")) != manifest["tokenizer"]["sha256"]:
+        raise SystemExit(f"--data: its tokenizer is not {args.source}/tokenizer.json (run `train.py prepare "
+                         f"--tokenizer {args.source}/tokenizer.json`)")
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    model, mtp = import_export(args.source, args.device)
+    c = model.config
+    for ctx in args.eval_contexts + [args.long_context]:
+        if ctx > c.max_position_embeddings or ctx <= c.index_topk:
+            raise SystemExit(f"--eval-contexts/--long-context: {ctx} is outside (index_topk = {c.index_topk}, "
+                             f"max_position_embeddings = {c.max_position_embeddings}]")
+    train_tokens = sum(len(v) for v in streams.values())
+    record = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "args": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(args).items() if k != "func"},
+              "device": device_name(args.device),
+              "source": {"dir": args.source, "model.safetensors": sha256(os.path.join(args.source, "model.safetensors"))},
+              "data": {"manifest": os.path.join(args.data, "data_manifest.json"), "train_tokens": train_tokens,
+                       "files": {k: v["sha256"] for k, v in manifest["files"].items()}},
+              "eval": {}, "recall": {}, "stages": {}}
+    text_bytes = {k: manifest["files"][k].get("text_bytes") for k in heldout}
+
+    def measure(when: str) -> None:
+        model.eval(), mtp.eval()
+        record["eval"][when] = evaluate(model, mtp, heldout, args, text_bytes)
+        record["recall"][when] = {}
+        for ctx in args.eval_contexts:
+            w = eval_windows(heldout, ctx, args.eval_windows)
+            record["recall"][when][str(ctx)] = r = selection_recall(model, w, c.index_topk, args.recall_queries,
+                                                                    autocast=args.amp)
+            print(f"recall {when} at {ctx}: {r['mean']}", flush=True)
+        model.train(), mtp.train()
+
+    measure("before")
+    probe = eval_windows(heldout, min(args.eval_contexts), 6)
+    record["stages"]["warmup"] = train_stage(model, mtp, "warmup", streams, args, g, probe)
+    measure("after")
+    export_dir = os.path.join(args.out, "model")
+    record["export"] = replace_indexers(args.source, model, mtp, export_dir,
+                                        meta={"indexers_refit_by": "benchmarks/train_default/train.py refit"})
+    record["export"]["bytes"] = {f: os.path.getsize(os.path.join(export_dir, f)) for f in sorted(os.listdir(export_dir))}
+    record["served"] = served_check(export_dir, heldout, args)
+    with open(os.path.join(args.out, "refit.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {os.path.join(args.out, 'refit.json')}", flush=True)
+    return 0
+
+
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
@@ -411,8 +471,6 @@ def main(argv=None) -> int:
     pp.add_argument("--only-tokenizer", action="store_true", help="stop after the tokenizer (no token ids)")
     pp.set_defaults(func=prepare)
     pt = sub.add_parser("train", help="the three stages, evaluation, export")
-    pt.add_argument("--data", default=DATA, help="prepare's output (default: %(default)s)")
-    pt.add_argument("--out", default=os.path.join(ROOT, "out", "train_default"))
     pt.add_argument("--layers", type=int, default=5, help="decoder layers, the MTP module besides (default: %(default)s)")
     pt.add_argument("--hidden", type=int, default=384,
                     help="multiple of 64; heads = hidden / 64 (default: %(default)s)")
@@ -423,38 +481,49 @@ def main(argv=None) -> int:
                     help="fixed for every context: 1/32 of a 16K one (default: %(default)s)")
     pt.add_argument("--context", type=int, default=4096, help="dense stage's length (default: %(default)s)")
     pt.add_argument("--batch", type=int, default=16, help="dense stage's sequences per step (default: %(default)s)")
-    pt.add_argument("--long-context", type=int, default=16384,
-                    help="long, warm-up and sparse stages' length, and max_position_embeddings (default: %(default)s)")
-    pt.add_argument("--long-batch", type=int, default=4, help="their sequences per step (default: %(default)s)")
     pt.add_argument("--dense-minutes", type=float, default=9.0)
     pt.add_argument("--long-minutes", type=float, default=1.5)
     pt.add_argument("--warmup-minutes", type=float, default=1.5)
     pt.add_argument("--sparse-minutes", type=float, default=3.5)
-    pt.add_argument("--max-steps", type=int, default=None, help="also stop each stage after this many steps")
     pt.add_argument("--lr", type=float, default=2e-3, help="dense stage peak (default: %(default)s)")
     pt.add_argument("--long-lr", type=float, default=6e-4, help="long stage peak (default: %(default)s)")
     pt.add_argument("--indexer-lr", type=float, default=1e-3, help="indexer, stages b and c (default: %(default)s)")
     pt.add_argument("--sparse-lr", type=float, default=3e-4, help="model, stage c (default: %(default)s)")
-    pt.add_argument("--weight-decay", type=float, default=0.1)
-    pt.add_argument("--lr-warmup", type=int, default=50, help="steps of linear LR warm-up per stage")
-    pt.add_argument("--kl-queries", type=int, default=256, help="query rows per step for the KL terms")
-    pt.add_argument("--eval-contexts", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
-    pt.add_argument("--eval-windows", type=int, default=12, help="held-out windows per context (default: %(default)s)")
-    pt.add_argument("--recall-queries", type=int, default=128, help="query rows per window for recall")
     pt.add_argument("--prompts", nargs="+", default=PROMPTS)
     pt.add_argument("--sample-tokens", type=int, default=48)
-    pt.add_argument("--seed", type=int, default=0)
-    pt.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     pt.add_argument("--resume", action="store_true", help="continue after the last stage in OUT/checkpoint.pt")
-    pt.add_argument("--log-every", type=int, default=20)
-    pt.add_argument("--heldout-every", type=int, default=250,
-                    help="steps between held-out probes (2 windows per held-out file; default: %(default)s)")
     pt.set_defaults(func=train)
+    pr = sub.add_parser("refit", help="more indexer warm-up for an exported checkpoint (the model frozen)")
+    pr.add_argument("--from", dest="source", default=os.path.join(ROOT, "dsa", "data", "default"),
+                    help="the export whose indexers to train (default: %(default)s)")
+    pr.add_argument("--warmup-minutes", type=float, default=4.0, help="(default: %(default)s)")
+    pr.add_argument("--indexer-lr", type=float, default=5e-4, help="peak (default: %(default)s)")
+    pr.set_defaults(func=refit)
+    for sp, out in ((pt, "train_default"), (pr, "refit_default")):
+        sp.add_argument("--data", default=DATA, help="prepare's output (default: %(default)s)")
+        sp.add_argument("--out", default=os.path.join(ROOT, "out", out))
+        sp.add_argument("--long-context", type=int, default=16384,
+                        help="long, warm-up and sparse stages' length, and max_position_embeddings (default: "
+                        "%(default)s)")
+        sp.add_argument("--long-batch", type=int, default=4, help="their sequences per step (default: %(default)s)")
+        sp.add_argument("--max-steps", type=int, default=None, help="also stop each stage after this many steps")
+        sp.add_argument("--weight-decay", type=float, default=0.1)
+        sp.add_argument("--lr-warmup", type=int, default=50, help="steps of linear LR warm-up per stage")
+        sp.add_argument("--kl-queries", type=int, default=256, help="query rows per step for the KL terms")
+        sp.add_argument("--eval-contexts", type=lambda v: [int(x) for x in v.split(",")], default=[4096, 16384])
+        sp.add_argument("--eval-windows", type=int, default=12,
+                        help="held-out windows per context (default: %(default)s)")
+        sp.add_argument("--recall-queries", type=int, default=128, help="query rows per window for recall")
+        sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        sp.add_argument("--log-every", type=int, default=20)
+        sp.add_argument("--heldout-every", type=int, default=250,
+                        help="steps between held-out probes (2 windows per held-out file; default: %(default)s)")
     args = p.parse_args(argv)
-    if args.command == "train":
+    if args.command in ("train", "refit"):
         args.amp = torch.bfloat16 if args.device == "cuda" else None
-        for name in ("layers", "batch", "long_batch", "kl_queries", "eval_windows", "log_every", "lr_warmup",
-                     "heldout_every"):
+        for name in ("long_batch", "kl_queries", "eval_windows", "log_every", "lr_warmup",
+                     "heldout_every") + (("layers", "batch") if args.command == "train" else ()):
             if getattr(args, name) < 1:
                 raise SystemExit(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
     return args.func(args)

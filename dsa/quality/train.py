@@ -458,6 +458,55 @@ def export(model, tokenizer_file: str, out_dir: str, dtype: torch.dtype = torch.
     return out_dir
 
 
+def import_export(export_dir: str, device) -> tuple:
+    """``(model, mtp)``: trainable fp32 copies of an :func:`export` (FP8 block weights dequantized), the
+    inverse of :func:`export_tensors`; ``mtp`` is None when the checkpoint has no MTP module."""
+    from safetensors.torch import load_file
+
+    from dsa.model.loading import SCALE_SUFFIX, dequantize_fp8_block
+
+    # hf_config writes the dense MLP as first_k_dense_replace = every layer; the MTP layer past them is dense too
+    config = DSAConfig.from_hf_config(os.path.join(export_dir, "config.json")).replace(n_routed_experts=None)
+    raw = load_file(os.path.join(export_dir, "model.safetensors"))
+    tensors = {n: dequantize_fp8_block(t, raw[n + SCALE_SUFFIX]) if n + SCALE_SUFFIX in raw else t.float()
+               for n, t in raw.items() if not n.endswith(SCALE_SUFFIX)}
+    model = new_model(config, 0, device)
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    model.load_state_dict({k: tensors[k if k.startswith("lm_head.") else "model." + k] for k in model.state_dict()})
+    mtp = None
+    if any(n.startswith(prefix) for n in tensors):
+        mtp = new_mtp(config, 0, device)
+        mtp.load_state_dict({ours: tensors[prefix + new] for ours, new in mtp.export_names().items()})
+    return model, mtp
+
+
+def replace_indexers(export_dir: str, model, mtp, out_dir: str, dtype: torch.dtype = torch.bfloat16,
+                     meta=None) -> dict:
+    """Copy an :func:`export` to ``out_dir`` with only its indexer tensors taken from ``model`` and ``mtp``
+    (stored as :func:`export` stores them); every other tensor stays as it was, byte for byte. Returns
+    ``{"replaced": n, "kept": n}``."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    src = os.path.join(export_dir, "model.safetensors")
+    tensors = load_file(src)
+    with safe_open(src, "pt") as f:
+        header = f.metadata() or {}
+    new = export_tensors(model, mtp, dtype, fp8=any(t.dtype == torch.float8_e4m3fn for t in tensors.values()))
+    names = [n for n in tensors if ".indexer." in n]
+    if sorted(names) != sorted(n for n in new if ".indexer." in n):
+        raise ValueError(f"model: its indexer tensors do not match those of {src}")
+    tensors.update({n: new[n] for n in names})
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(export_dir):
+        if name != "model.safetensors":
+            shutil.copyfile(os.path.join(export_dir, name), os.path.join(out_dir, name))
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={**header, **(meta or {})})
+    return {"replaced": len(names), "kept": len(tensors) - len(names)}
+
+
 # ---- the tokenizer ----------------------------------------------------------------------------
 def train_tokenizer(files: list, vocab_size: int, out_file: str, max_bytes: int | None = None):
     """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` trained on ``files`` (documents
