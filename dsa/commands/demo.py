@@ -6,6 +6,7 @@ tokens on a GPU and 4K on CPU, and the continuation is printed. ``--preset`` run
 preset on random token ids instead (``demo-gpu``: V3.2's attention shapes, the performance run). The
 prompt is prefilled in chunks of ``--max-batch-tokens`` (default: an eighth of it), so progress shows.
 """
+import dataclasses
 import json
 import time
 
@@ -68,18 +69,48 @@ def held_out_prompt(tokens: int) -> tuple:
     return (ids * (tokens // len(ids) + 1))[:tokens], tok
 
 
-def run(args) -> int:
-    import torch
-    from tqdm import tqdm
+@dataclasses.dataclass
+class Timed:
+    """What :func:`generate` measured: the two phases' seconds, the tokens decoded after the prefill
+    (those sampled in the prefill's last step excluded) and the first request's continuation."""
+    prefill_s: float
+    decode_s: float
+    decode_tokens: int
+    continuation: list
 
-    from dsa.bench.harness import env_info
-    from dsa.config import bytes_per_token, indexer_layers, latent_format
-    from dsa.engine import Engine, SamplingParams
-    from dsa.engine.cpu_threads import apply_cpu_threads, describe
-    from dsa.kernels.common import cdiv
+
+def run(args) -> int:
+    from dsa.engine.cpu_threads import apply_cpu_threads
 
     device = device_from_args(args, "demo")
     refuse_to_overwrite("demo", "--json", [args.json] if args.json else [], args.overwrite)
+    context = checked_context(args, device)
+    cpu_threads = cpu_threads_from_args(args, "demo")
+    threads = apply_cpu_threads(cpu_threads) if device.type == "cpu" or cpu_threads is not None else None
+    t0 = time.perf_counter()
+    model = build_model(args, device)
+    load_s = time.perf_counter() - t0
+    prompts, tokenizer = demo_prompts(args, model.config, context)
+    engine = build_engine(args, model, device, context, tokenizer)
+    quiet = model.tp.rank != 0  # under tensor parallelism rank 0 reports
+    timed = generate(engine, prompts, args.new_tokens, device, quiet)
+    if quiet:
+        return 0
+    result = results(args, device, model, engine, context, load_s, threads, timed)
+    report(result, model, engine, threads, timed)
+    if tokenizer is not None:
+        result["continuation"] = tokenizer.decode(timed.continuation)
+        show_continuation(tokenizer, prompts[0], result["continuation"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def checked_context(args, device) -> int:
+    """The prompt length (``--context``, else the default for the model and device), after checking
+    that it and the other sizes are positive."""
     trained = not (args.checkpoint or args.preset)
     gpu_context = 16384 - args.new_tokens if trained else 32768
     context = args.context if args.context is not None else (gpu_context if device.type == "cuda" else 4096)
@@ -87,28 +118,48 @@ def run(args) -> int:
                         ("--max-batch-tokens", args.max_batch_tokens)):
         if value is not None and value < 1:
             raise SystemExit(f"dsa demo: {flag} must be a positive number, got {value}")
-    cpu_threads = cpu_threads_from_args(args, "demo")
-    threads = apply_cpu_threads(cpu_threads) if device.type == "cpu" or cpu_threads is not None else None
-    t0 = time.perf_counter()
-    model = build_model(args, device)
+    return context
+
+
+def demo_prompts(args, cfg, context: int) -> tuple:
+    """``(prompts, tokenizer)``: ``--batch`` copies of the held-out text for the embedded default, else
+    ``--batch`` random prompts (seeded) and no tokenizer."""
+    import torch
+
+    if not (args.checkpoint or args.preset):
+        prompt, tokenizer = held_out_prompt(context)
+        return [prompt] * args.batch, tokenizer
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist() for _ in range(args.batch)], None
+
+
+def build_engine(args, model, device, context: int, tokenizer):
+    """An engine with cache for exactly the batch, prefilling ``--max-batch-tokens`` rows a step;
+    on a GPU warmed up (every kernel compiled, the decode graphs captured) before anything is timed."""
+    from dsa.engine import Engine
+    from dsa.kernels.common import cdiv
+
     cfg = model.config
-    load_s = time.perf_counter() - t0
     per_request = cdiv(context + args.new_tokens, cfg.block_size)
     chunk = args.max_batch_tokens or min(8192, cdiv(context * args.batch, 8 * cfg.block_size) * cfg.block_size)
-    g = torch.Generator().manual_seed(0)
-    tokenizer = None
-    if trained:
-        prompt, tokenizer = held_out_prompt(context)
-        prompts = [prompt] * args.batch
-    else:
-        prompts = [torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist() for _ in range(args.batch)]
     engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=chunk, tokenizer=tokenizer)
-    quiet = model.tp.rank != 0  # under tensor parallelism rank 0 reports
-    sampling = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)  # exactly N tokens
-    if device.type == "cuda":  # compile every kernel and capture the decode graphs before timing
+    if device.type == "cuda":
         report = engine.warmup(progress=not model.tp.rank)
         if not model.tp.rank:
             print(f"warm-up: {report['seconds']} s, {report['graphs_captured']} CUDA graphs")
+    return engine
+
+
+def generate(engine, prompts: list, new_tokens: int, device, quiet: bool) -> Timed:
+    """Generate exactly ``new_tokens`` greedy tokens for each prompt, with one progress bar per phase
+    so that each shows its own rate. Prefill: each step timed (synchronized) while a prompt chunk
+    remains; decode: the rest timed as a whole, the host running ahead of the GPU."""
+    import torch
+    from tqdm import tqdm
+
+    from dsa.engine import SamplingParams
+
+    sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)  # exactly N tokens
     first = [engine.add_request(p, sampling=sampling) for p in prompts][0]
     continuation = []
 
@@ -121,10 +172,8 @@ def run(args) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    # one bar per phase, so each shows its own rate. Prefill: each step timed (synchronized), while a
-    # prompt chunk remains; decode: the rest timed as a whole, the host running ahead of the GPU
-    prefill_bar = tqdm(total=args.batch * context, unit="tok", desc="prefill", disable=quiet)
-    prefill_s = decode_s = 0.0
+    prefill_bar = tqdm(total=sum(len(p) for p in prompts), unit="tok", desc="prefill", disable=quiet)
+    prefill_s = 0.0
     produced_in_prefill = 0
     while engine.waiting or any(r.prefilling for r in engine.running.values()):
         tokens = engine.stats.tokens
@@ -135,7 +184,7 @@ def run(args) -> int:
         prefill_s += time.perf_counter() - t
         prefill_bar.update(engine.stats.tokens - tokens)
     prefill_bar.close()
-    decode_tokens = args.batch * args.new_tokens - produced_in_prefill
+    decode_tokens = len(prompts) * new_tokens - produced_in_prefill
     decode_bar = tqdm(total=decode_tokens, unit="tok", desc="decode", disable=quiet)
     t = time.perf_counter()
     while engine.has_work():
@@ -143,49 +192,66 @@ def run(args) -> int:
     sync()
     decode_s = time.perf_counter() - t
     decode_bar.close()
+    return Timed(prefill_s, decode_s, decode_tokens, continuation)
+
+
+def results(args, device, model, engine, context: int, load_s: float, threads, timed: Timed) -> dict:
+    """The run's record, as ``--json`` writes it (the continuation is added by :func:`run`)."""
+    import torch
+
+    from dsa.bench.harness import env_info
+    from dsa.config import bytes_per_token, indexer_layers, latent_format
+
+    cfg = model.config
     prefill_tokens = args.batch * context
-    dsa_bytes = bytes_per_token(cfg, model.dtype)
-    dense_bytes = bytes_per_token(cfg.replace(index_topk=None), model.dtype)
-    result = {
+    return {
         "env": env_info(),
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "model": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
                   "index_heads": cfg.index_n_heads, "index_topk": cfg.index_topk, "dtype": str(model.dtype),
                   "latent_cache": latent_format(cfg, model.dtype), "checkpoint": args.checkpoint},
-        "batch": args.batch, "context": context, "new_tokens": args.new_tokens, "max_batch_tokens": chunk,
+        "batch": args.batch, "context": context, "new_tokens": args.new_tokens,
+        "max_batch_tokens": engine.max_batch_tokens,
         "load_s": load_s, "cpu_threads": None if threads is None else threads[0],
-        "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
-        "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
-        "cache_bytes_per_token_dsa": dsa_bytes, "cache_bytes_per_token_dense_mla": dense_bytes,
+        "prefill_tokens_per_s": prefill_tokens / timed.prefill_s if timed.prefill_s else None,
+        "decode_tokens_per_s": timed.decode_tokens / timed.decode_s if timed.decode_s else None,
+        "cache_bytes_per_token_dsa": bytes_per_token(cfg, model.dtype),
+        "cache_bytes_per_token_dense_mla": bytes_per_token(cfg.replace(index_topk=None), model.dtype),
         "indexer_layers": len(indexer_layers(cfg)), "layers": cfg.num_hidden_layers,
         "rows": engine.stats.rows, "prefill_chunks": engine.stats.prefill_chunks, "tp_size": model.tp.size,
         "graph_steps": engine.stats.graph_steps,
         "allreduce": model.tp.reducer.describe() if model.tp.reducer is not None else None,
     }
-    if quiet:
-        return 0
+
+
+def report(result: dict, model, engine, threads, timed: Timed) -> None:
+    """The human-readable lines: the model and device, the two phases' rates, cache bytes and rows."""
+    from dsa.engine.cpu_threads import describe
+
+    cfg = model.config
     print(f"device {result['device']}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}, {model.dtype}"
           + (f", tensor parallel over {model.tp.size} ranks" if model.tp.size > 1 else "")
           + (f", {describe(*threads)}" if threads else ""))
     if model.tp.reducer is not None:
         print(f"all-reduce: {model.tp.reducer.path} ({model.tp.reducer.reason})")
-    print(f"prefill: {prefill_tokens} tokens in {prefill_s:.2f} s = {result['prefill_tokens_per_s']:.0f} tokens/s")
-    if decode_s:
+    prefill_tokens = result["batch"] * result["context"]
+    print(f"prefill: {prefill_tokens} tokens in {timed.prefill_s:.2f} s = {result['prefill_tokens_per_s']:.0f} "
+          "tokens/s")
+    if timed.decode_s:
         graphs = engine.stats.graph_steps
-        print(f"decode:  {decode_tokens} tokens in {decode_s:.2f} s = {result['decode_tokens_per_s']:.1f} tokens/s"
-              + (f" ({graphs} steps replayed from CUDA graphs)" if graphs else ""))
+        replayed = f" ({graphs} steps replayed from CUDA graphs)" if graphs else ""
+        print(f"decode:  {timed.decode_tokens} tokens in {timed.decode_s:.2f} s = "
+              f"{result['decode_tokens_per_s']:.1f} tokens/s{replayed}")
+    dsa_bytes, dense_bytes = result["cache_bytes_per_token_dsa"], result["cache_bytes_per_token_dense_mla"]
     print(f"cache bytes per token: {dsa_bytes} with DSA vs {dense_bytes} for dense MLA "
           f"(+{100 * (dsa_bytes - dense_bytes) / dense_bytes:.1f}% for the indexer keys)")
     print(f"layers running the indexer: {result['indexer_layers']} of {cfg.num_hidden_layers}")
     print("rows served: " + ", ".join(f"{k} {v}" for k, v in engine.stats.rows.items() if v))
-    if tokenizer is not None:
-        from dsa.commands.generate import escape_controls
-        result["continuation"] = tokenizer.decode(continuation)
-        print(f"prompt: ...{escape_controls(tokenizer.decode(prompts[0][-24:]))!r}")
-        print(f"continuation (greedy): {escape_controls(result['continuation'])!r}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
-    return 0
+
+
+def show_continuation(tokenizer, prompt: list, continuation: str) -> None:
+    from dsa.commands.generate import escape_controls
+
+    print(f"prompt: ...{escape_controls(tokenizer.decode(prompt[-24:]))!r}")
+    print(f"continuation (greedy): {escape_controls(continuation)!r}")

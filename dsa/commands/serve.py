@@ -56,73 +56,119 @@ def _die(message: str) -> None:
 
 
 def run(args) -> int:
-    for flag, value, minimum in (("--shutdown-timeout", args.shutdown_timeout, 0), ("--max-queued", args.max_queued, 0),
-                                 ("--request-timeout", args.request_timeout, 1e-9), ("--tp", args.tp, 1)):
-        if value is not None and not value >= minimum:
-            raise SystemExit(f"dsa serve: {flag} must be {'positive' if minimum else 'at least 0'}, got {value}")
+    check_options(args)
     device_from_args(args, "serve")
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         raise SystemExit(f"dsa serve: needs {' and '.join(missing)}; install the extra with "
                          "pip install 'deepseek-sparse-attention[serve]'")
-    import uvicorn
-
     from dsa.serve.engine_loop import EngineLoop
     from dsa.serve.openai_server import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.tp > 1:
+        start_ranks(args.tp)
+    llm = llm_from_args(args, "serve")
     commands = None
     if args.tp > 1:
-        import torch.distributed as dist
-
-        from dsa.model.parallel import start_process_group
-        from dsa.serve.tp_commands import TIMEOUT_S, TPCommands, follow, one_line
-        try:
-            start_process_group(args.tp, timeout_s=TIMEOUT_S)
-        except RuntimeError as e:
-            raise SystemExit(f"dsa serve: --tp {args.tp}: {e}") from None
-        if dist.get_world_size() != args.tp:
-            raise SystemExit(f"dsa serve: --tp {args.tp}: torchrun started {dist.get_world_size()} processes")
-    llm = llm_from_args(args, "serve")
-    if args.tp > 1:
+        from dsa.serve.tp_commands import TPCommands
         commands = TPCommands(llm.model.tp)
         if commands.rank != 0:
-            logging.getLogger().setLevel(logging.WARNING)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 drains, then sends the stop
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            try:
-                follow(llm.engine, commands)
-            except Exception as e:  # noqa: BLE001 - rank 0 died or hangs, or the ranks diverged
-                _die(f"dsa serve: tensor-parallel rank {commands.rank}: stopped: {one_line(e)}")
-            dist.destroy_process_group()
-            return 0
+            return follow_rank_0(llm, commands)
+    log_ready(llm)
+    loop = EngineLoop(llm.engine, tp=commands)
+    app = build_app(llm, loop, served_name(args), args.api_key, args.max_queued, args.request_timeout)
+    serve_until_stopped(app, loop, args)
+    if loop.fatal is not None:
+        _die(f"dsa serve: {loop.fatal}")
+    if commands is not None:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    return 0
+
+
+def check_options(args) -> None:
+    for flag, value, minimum in (("--shutdown-timeout", args.shutdown_timeout, 0), ("--max-queued", args.max_queued, 0),
+                                 ("--request-timeout", args.request_timeout, 1e-9), ("--tp", args.tp, 1)):
+        if value is not None and not value >= minimum:
+            raise SystemExit(f"dsa serve: {flag} must be {'positive' if minimum else 'at least 0'}, got {value}")
+
+
+def start_ranks(tp: int) -> None:
+    """Join the ``torchrun`` process group of ``tp`` ranks (one line when it cannot be started or has
+    another size)."""
+    import torch.distributed as dist
+
+    from dsa.model.parallel import start_process_group
+    from dsa.serve.tp_commands import TIMEOUT_S
+    try:
+        start_process_group(tp, timeout_s=TIMEOUT_S)
+    except RuntimeError as e:
+        raise SystemExit(f"dsa serve: --tp {tp}: {e}") from None
+    if dist.get_world_size() != tp:
+        raise SystemExit(f"dsa serve: --tp {tp}: torchrun started {dist.get_world_size()} processes")
+
+
+def follow_rank_0(llm, commands) -> int:
+    """A rank other than 0: apply rank 0's commands until it sends the stop. It ignores SIGINT and
+    SIGTERM (rank 0 drains, then sends the stop), and dies with one line when rank 0 dies or hangs."""
+    import torch.distributed as dist
+
+    from dsa.serve.tp_commands import follow, one_line
+    logging.getLogger().setLevel(logging.WARNING)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        follow(llm.engine, commands)
+    except Exception as e:  # noqa: BLE001 - rank 0 died or hangs, or the ranks diverged
+        _die(f"dsa serve: tensor-parallel rank {commands.rank}: stopped: {one_line(e)}")
+    dist.destroy_process_group()
+    return 0
+
+
+def log_ready(llm) -> None:
+    """The loaded model's CPU threads and warm-up, one log line each (when there are any)."""
+    log = logging.getLogger("dsa.serve")
     if llm.cpu_threads is not None:
         from dsa.engine.cpu_threads import describe
-        logging.getLogger("dsa.serve").info("torch on CPU: %s", describe(llm.cpu_threads, llm.cpu_threads_reason))
+        log.info("torch on CPU: %s", describe(llm.cpu_threads, llm.cpu_threads_reason))
     if llm.warmup_report is not None:
         r = llm.warmup_report
-        logging.getLogger("dsa.serve").info(
-            "warm-up done in %.1f s: %d prefill shapes, %d CUDA graphs (%.0f MiB), %d kernel variants built; "
-            "Triton's cache: %s", r["seconds"], r["prefill_steps"], r["graphs_captured"], r["graph_pool_bytes"] / 2**20,
-            r["kernel_variants"], os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache"))
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
-                                      else f"dsa-{args.preset}" if args.preset else "dsa-default")
-    loop = EngineLoop(llm.engine, tp=commands)
-    app = build_app(llm, loop, name, args.api_key, args.max_queued, args.request_timeout)
+        cache = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
+        log.info("warm-up done in %.1f s: %d prefill shapes, %d CUDA graphs (%.0f MiB), %d kernel variants built; "
+                 "Triton's cache: %s", r["seconds"], r["prefill_steps"], r["graphs_captured"],
+                 r["graph_pool_bytes"] / 2**20, r["kernel_variants"], cache)
+
+
+def served_name(args) -> str:
+    """The model id clients send: ``--served-model-name``, else the checkpoint folder's name, else
+    ``dsa-PRESET`` or ``dsa-default``."""
+    if args.served_model_name:
+        return args.served_model_name
+    if args.checkpoint:
+        return os.path.basename(os.path.normpath(args.checkpoint))
+    return f"dsa-{args.preset}" if args.preset else "dsa-default"
+
+
+def serve_until_stopped(app, loop, args) -> None:
+    """Run uvicorn on ``--host``/``--port`` until a signal has drained the app or the engine loop
+    failed (``loop.on_fatal``); then ignore the signals: what is left is the exit (Python's own
+    teardown would restore the default handlers, and a signal kill it)."""
+    import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn with its own signal handling. The first SIGTERM / Ctrl-C drains the app, then
         stops it (uvicorn would cancel the requests in flight and re-raise the signal: exit 143);
         the second ends every request at once, each stream with its last chunk (uvicorn would cut
-        the streams and print each one's CancelledError); later ones change nothing. run() sets the
-        handlers before the event loop starts and ignores the signals once it has stopped (uvicorn
+        the streams and print each one's CancelledError); later ones change nothing. The handlers
+        are set before the event loop starts and the signals ignored once it has stopped (uvicorn
         would restore the previous handlers, where a late Ctrl-C raises KeyboardInterrupt)."""
 
         event_loop = None
         signals = 0
 
         @contextlib.contextmanager
-        def capture_signals(self):  # run() sets the handlers
+        def capture_signals(self):  # serve_until_stopped sets the handlers
             yield
 
         async def serve(self, sockets=None):
@@ -151,10 +197,5 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, server.handle_exit)
     server.run()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # stopped: what is left is the exit (Python's own teardown
-        signal.signal(sig, signal.SIG_IGN)       # would restore the default handlers, and a signal kill it)
-    if loop.fatal is not None:
-        _die(f"dsa serve: {loop.fatal}")
-    if commands is not None:
-        dist.destroy_process_group()
-    return 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)

@@ -1,14 +1,17 @@
-"""Request latency histograms for ``/metrics`` (Prometheus text: ``_bucket{le}``, ``_sum``, ``_count``).
+"""The ``/metrics`` text (Prometheus' exposition format): the engine loop's counters and gauges
+(:func:`prometheus_text`) and the request latency histograms (``_bucket{le}``, ``_sum``, ``_count``).
 
-Measured by the HTTP handlers on the server's event loop (no lock needed): a request's clock
-starts when its handler starts the response (the body parsed, the prompt tokenized and checked),
-each token is timed when the handler passes it on (sent as a stream chunk, or held back while its
-text is an incomplete character), and the histograms are observed when the request finishes
-(stop or length; aborted and disconnected requests are not counted). The queue time runs from
-that start to the start of the engine step that first admitted the request (it got its blocks).
+The histograms are measured by the HTTP handlers on the server's event loop (no lock needed): a
+request's clock starts when its handler starts the response (the body parsed, the prompt tokenized
+and checked), each token is timed when the handler passes it on (sent as a stream chunk, or held
+back while its text is an incomplete character), and the histograms are observed when the request
+finishes (stop or length; aborted and disconnected requests are not counted). The queue time runs
+from that start to the start of the engine step that first admitted the request (it got its blocks).
 """
 import bisect
 import time
+
+from dsa.model.plan import PATHS
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
                    160.0, 320.0, 640.0)
@@ -82,3 +85,50 @@ class RequestTimer:
                 m.itl.observe(gap)
             if admitted is not None:
                 m.queue.observe(max(0.0, admitted - self.start))
+
+
+def prometheus_text(m: dict) -> str:
+    """The metrics in Prometheus' text exposition format."""
+    lines = []
+
+    def metric(name, kind, help_, samples):
+        lines.append(f"# HELP dsa_{name} {help_}")
+        lines.append(f"# TYPE dsa_{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"dsa_{name}{labels} {value}")
+
+    metric("requests_running", "gauge", "Requests being generated.", [("", m["running"])])
+    metric("requests_waiting", "gauge", "Requests waiting for cache blocks.", [("", m["waiting"])])
+    metric("requests_finished_total", "counter", "Requests finished, by reason.",
+           [(f'{{finish_reason="{k}"}}', v) for k, v in sorted(m["finished"].items())])
+    metric("prompt_tokens_total", "counter", "Prompt tokens of the requests added.", [("", m["prompt_tokens"])])
+    metric("generated_tokens_total", "counter", "Tokens generated.", [("", m["generated_tokens"])])
+    metric("generation_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.",
+           [("", f"{m['tokens_per_second']:.3f}")])
+    metric("cache_blocks_in_use", "gauge", "Cache blocks held by requests.", [("", m["blocks_in_use"])])
+    metric("cache_blocks_free", "gauge", "Cache blocks a new request can get (cached prefixes included).",
+           [("", m["blocks_free"])])
+    metric("cache_blocks_cached", "gauge", "Blocks holding a named prompt prefix (in use or not).",
+           [("", m["blocks_cached"])])
+    metric("rows_served_total", "counter", "Rows (tokens) served per attention path.",
+           [(f'{{path="{p}"}}', m["rows"].get(p, 0)) for p in PATHS])
+    metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+           [("", m["prefix"].prompt_tokens)])
+    metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+           [("", m["prefix"].hit_tokens)])
+    metric("prefix_cache_evictions_total", "counter", "Cached blocks given to new requests.",
+           [("", m["prefix"].evictions)])
+    metric("preemptions_total", "counter", "Running requests that gave their blocks back to recompute later.",
+           [("", m["preemptions"])])
+    metric("kernel_compiles_total", "counter", "Triton/Gluon kernel variants built in this process.",
+           [("", m["kernel_compiles"])])
+    if m["rss_bytes"] is not None:  # Prometheus' process collector's name
+        lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
+                  "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {m['rss_bytes']}"]
+    if m["gpu_bytes"] is not None:
+        metric("gpu_memory_allocated_bytes", "gauge", "GPU memory held by tensors (torch.cuda.memory_allocated).",
+               [("", m["gpu_bytes"])])
+    if m["compiles_after_warmup"] is not None:
+        metric("kernel_compiles_after_warmup_total", "counter", "Kernel variants built after the warm-up.",
+               [("", m["compiles_after_warmup"])])
+    return "\n".join(lines) + "\n"

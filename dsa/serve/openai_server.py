@@ -31,10 +31,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsa.engine.output import Delta
 from dsa.engine.sampling import SamplingParams
-from dsa.model.plan import PATHS
 from dsa.serve.chat_template import ChatTemplateError
 from dsa.serve.engine_loop import EngineLoop, Submission
-from dsa.serve.metrics import LatencyMetrics
+from dsa.serve.metrics import LatencyMetrics, prometheus_text
 
 log = logging.getLogger("dsa.serve")
 CHAT_DEFAULT_MAX_TOKENS = 256  # chat without max_tokens: this many, or what is left of the context
@@ -96,14 +95,12 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers
 
+    def body(self) -> dict:
+        """The error as OpenAI sends it: a response's JSON body, or a stream's last event."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.code, self.type, self.headers)
-
-
-def error_response(status: int, message: str, param=None, code=None, type="invalid_request_error",
-                   headers=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}}, status_code=status,
-                        headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _sampling(body: _Sampled, max_tokens: int, logprobs: int | None, defaults: dict) -> SamplingParams:
@@ -265,49 +262,11 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
     server calls it on SIGTERM before stopping); ``app.state.end_now()`` (a second signal) ends
     every request at once."""
     server = _Server(llm, loop, model_name, max_queued, request_timeout)
-
-    @asynccontextmanager
-    async def lifespan(app):
-        loop.start()
-        log.info("serving %s", model_name)
-        try:
-            yield
-        finally:
-            loop.stop()
-
-    app = FastAPI(title="dsa", lifespan=lifespan)
+    app = FastAPI(title="dsa", lifespan=_lifespan(loop, model_name))
     app.state.drain, app.state.end_now = server.drain, server.end_now
-
-    @app.exception_handler(APIError)
-    async def _api_error(request, exc: APIError):
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid" or not loc:  # unparsable, or not an object
-            return error_response(400, f"malformed JSON: expected a JSON object ({err.get('msg', 'invalid')})")
-        param = loc[0] if loc else None
-        return error_response(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}", param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), code=None,
-                              type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _crash(request, exc: Exception):
-        log.exception("request failed")
-        return error_response(500, f"internal error: {type(exc).__name__}", type="server_error")
-
-    async def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise APIError(401, "invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    for exc_class, handler in _ERROR_HANDLERS.items():
+        app.add_exception_handler(exc_class, handler)
+    keyed = [Depends(_authorizer(api_key))]
 
     @app.get("/health")
     async def health():
@@ -315,7 +274,7 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models", dependencies=keyed)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
                                             "owned_by": "dsa", "max_model_len": server.limit}]}
@@ -325,42 +284,105 @@ def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None
         text = prometheus_text(loop.metrics()) + server.latency.text()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request):
-        server.check_open()
-        server.check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo: not supported", "echo")
-        if body.max_tokens is None:
-            raise APIError(400, "max_tokens: expected an int", "max_tokens")
-        prompt = body.prompt
-        batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-        sampling = _sampling(body, body.max_tokens, body.logprobs, server.sampling_defaults)
-        ids = [server.check(server.encode(p), sampling) for p in batch]
-        return await _respond(request, server, ids, sampling, body, chat=False)
+        prompts, sampling = _completion_prompts(server, body)
+        return await _respond(request, server, prompts, sampling, body, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat(body: ChatRequest, request: Request):
-        server.check_open()
-        server.check_model(body.model)
-        if llm.tokenizer is None:
-            raise APIError(400, "messages: this checkpoint has no tokenizer", "messages")
-        messages = [_message(m, i) for i, m in enumerate(body.messages)]
-        try:
-            ids = llm.chat_ids(messages)
-        except (ChatTemplateError, ValueError) as e:
-            raise APIError(400, str(e), "messages") from None
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, min(CHAT_DEFAULT_MAX_TOKENS, server.limit - len(ids)))
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
-        sampling = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                             server.sampling_defaults)
-        ids = server.check(ids, sampling)
-        return await _respond(request, server, [ids], sampling, body, chat=True)
+        prompt, sampling = _chat_prompt(server, body)
+        return await _respond(request, server, [prompt], sampling, body, chat=True)
 
     return app
+
+
+def _lifespan(loop: EngineLoop, model_name: str):
+    @asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        log.info("serving %s", model_name)
+        try:
+            yield
+        finally:
+            loop.stop()
+    return lifespan
+
+
+def _authorizer(api_key: str | None):
+    """The ``/v1`` routes' dependency: 401 unless the request sends ``Authorization: Bearer <api_key>``
+    (when a key is set)."""
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    return authorize
+
+
+async def _api_error(request, exc: APIError):
+    return exc.response()
+
+
+async def _invalid(request, exc: RequestValidationError):
+    err = exc.errors()[0] if exc.errors() else {}
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid" or not loc:  # unparsable, or not an object
+        return APIError(400, f"malformed JSON: expected a JSON object ({err.get('msg', 'invalid')})").response()
+    return APIError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}", loc[0]).response()
+
+
+async def _http_error(request, exc: StarletteHTTPException):
+    return APIError(exc.status_code, str(exc.detail),
+                    type="not_found_error" if exc.status_code == 404 else "invalid_request_error").response()
+
+
+async def _crash(request, exc: Exception):
+    log.exception("request failed")
+    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+
+_ERROR_HANDLERS = {APIError: _api_error, RequestValidationError: _invalid, StarletteHTTPException: _http_error,
+                   Exception: _crash}  # every error as OpenAI's error body
+
+
+def _completion_prompts(server: _Server, body: CompletionRequest) -> tuple:
+    """``(prompts, sampling)``: each prompt of the request (a string or token ids, or a list of
+    them) as checked token ids, and its sampling."""
+    server.check_open()
+    server.check_model(body.model)
+    if body.echo:
+        raise APIError(400, "echo: not supported", "echo")
+    if body.max_tokens is None:
+        raise APIError(400, "max_tokens: expected an int", "max_tokens")
+    prompt = body.prompt
+    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    sampling = _sampling(body, body.max_tokens, body.logprobs, server.sampling_defaults)
+    return [server.check(server.encode(p), sampling) for p in batch], sampling
+
+
+def _chat_prompt(server: _Server, body: ChatRequest) -> tuple:
+    """``(prompt, sampling)``: the messages through the tokenizer's chat template as checked token
+    ids, and the sampling (without a max_tokens: CHAT_DEFAULT_MAX_TOKENS, or what the context leaves)."""
+    server.check_open()
+    server.check_model(body.model)
+    if server.llm.tokenizer is None:
+        raise APIError(400, "messages: this checkpoint has no tokenizer", "messages")
+    messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    try:
+        ids = server.llm.chat_ids(messages)
+    except (ChatTemplateError, ValueError) as e:
+        raise APIError(400, str(e), "messages") from None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, min(CHAT_DEFAULT_MAX_TOKENS, server.limit - len(ids)))
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
+    sampling = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                         server.sampling_defaults)
+    return server.check(ids, sampling), sampling
 
 
 def _message(m: ChatMessage, i: int) -> dict:
@@ -527,52 +549,5 @@ async def _events(request: Request, call: _Call):
             yield _sse({**chunk, "choices": [], "usage": call.usage()})
         yield "data: [DONE]\n\n"
     except APIError as e:
-        yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+        yield _sse(e.body())
         yield "data: [DONE]\n\n"
-
-
-def prometheus_text(m: dict) -> str:
-    """The metrics in Prometheus' text exposition format."""
-    lines = []
-
-    def metric(name, kind, help_, samples):
-        lines.append(f"# HELP dsa_{name} {help_}")
-        lines.append(f"# TYPE dsa_{name} {kind}")
-        for labels, value in samples:
-            lines.append(f"dsa_{name}{labels} {value}")
-
-    metric("requests_running", "gauge", "Requests being generated.", [("", m["running"])])
-    metric("requests_waiting", "gauge", "Requests waiting for cache blocks.", [("", m["waiting"])])
-    metric("requests_finished_total", "counter", "Requests finished, by reason.",
-           [(f'{{finish_reason="{k}"}}', v) for k, v in sorted(m["finished"].items())])
-    metric("prompt_tokens_total", "counter", "Prompt tokens of the requests added.", [("", m["prompt_tokens"])])
-    metric("generated_tokens_total", "counter", "Tokens generated.", [("", m["generated_tokens"])])
-    metric("generation_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.",
-           [("", f"{m['tokens_per_second']:.3f}")])
-    metric("cache_blocks_in_use", "gauge", "Cache blocks held by requests.", [("", m["blocks_in_use"])])
-    metric("cache_blocks_free", "gauge", "Cache blocks a new request can get (cached prefixes included).",
-           [("", m["blocks_free"])])
-    metric("cache_blocks_cached", "gauge", "Blocks holding a named prompt prefix (in use or not).",
-           [("", m["blocks_cached"])])
-    metric("rows_served_total", "counter", "Rows (tokens) served per attention path.",
-           [(f'{{path="{p}"}}', m["rows"].get(p, 0)) for p in PATHS])
-    metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-           [("", m["prefix"].prompt_tokens)])
-    metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
-           [("", m["prefix"].hit_tokens)])
-    metric("prefix_cache_evictions_total", "counter", "Cached blocks given to new requests.",
-           [("", m["prefix"].evictions)])
-    metric("preemptions_total", "counter", "Running requests that gave their blocks back to recompute later.",
-           [("", m["preemptions"])])
-    metric("kernel_compiles_total", "counter", "Triton/Gluon kernel variants built in this process.",
-           [("", m["kernel_compiles"])])
-    if m["rss_bytes"] is not None:  # Prometheus' process collector's name
-        lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
-                  "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {m['rss_bytes']}"]
-    if m["gpu_bytes"] is not None:
-        metric("gpu_memory_allocated_bytes", "gauge", "GPU memory held by tensors (torch.cuda.memory_allocated).",
-               [("", m["gpu_bytes"])])
-    if m["compiles_after_warmup"] is not None:
-        metric("kernel_compiles_after_warmup_total", "counter", "Kernel variants built after the warm-up.",
-               [("", m["compiles_after_warmup"])])
-    return "\n".join(lines) + "\n"
