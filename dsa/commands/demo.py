@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoint", help="a HF checkpoint folder (deepseek_v32, glm_moe_dsa, deepseek_v3)")
     add_preset_argument(p)
     p.add_argument("--context", type=int, help="prompt tokens (default: 4096 on CPU; on a GPU 16384 minus "
-                   "--new-tokens for the embedded default, 32768 for a preset or checkpoint)")
+                   "--new-tokens for the embedded default, 32768 for a preset or checkpoint; at most what the "
+                   "model's max_position_embeddings leaves)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
     p.add_argument("--batch", type=int, default=1, help="requests generated together (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, help="rows per step, the prefill chunk (default: an eighth of "
@@ -84,23 +85,26 @@ def run(args) -> int:
 
     device = device_from_args(args, "demo")
     refuse_to_overwrite("demo", "--json", [args.json] if args.json else [], args.overwrite)
-    context = checked_context(args, device)
+    check_sizes(args)
     cpu_threads = cpu_threads_from_args(args, "demo")
     threads = apply_cpu_threads(cpu_threads) if device.type == "cpu" or cpu_threads is not None else None
     t0 = time.perf_counter()
     model = build_model(args, device)
     load_s = time.perf_counter() - t0
+    context = demo_context(args, device, model.config.max_position_embeddings)
     prompts, tokenizer = demo_prompts(args, model.config, context)
     engine = build_engine(args, model, device, context, tokenizer)
     quiet = model.tp.rank != 0  # under tensor parallelism rank 0 reports
-    timed = generate(engine, prompts, args.new_tokens, device, quiet)
+    sampling = demo_sampling(args)
+    timed = generate(engine, prompts, args.new_tokens, device, quiet, sampling)
     if quiet:
         return 0
     result = results(args, device, model, engine, context, load_s, threads, timed)
     report(result, model, engine, threads, timed)
     if tokenizer is not None:
         result["continuation"] = tokenizer.decode(timed.continuation)
-        show_continuation(tokenizer, prompts[0], result["continuation"])
+        result["sampling"] = sampling
+        show_continuation(tokenizer, prompts[0], result["continuation"], describe_sampling(sampling))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -108,17 +112,30 @@ def run(args) -> int:
     return 0
 
 
-def checked_context(args, device) -> int:
-    """The prompt length (``--context``, else the default for the model and device), after checking
-    that it and the other sizes are positive."""
-    trained = not (args.checkpoint or args.preset)
-    gpu_context = 16384 - args.new_tokens if trained else 32768
-    context = args.context if args.context is not None else (gpu_context if device.type == "cuda" else 4096)
-    for flag, value in (("--context", context), ("--new-tokens", args.new_tokens), ("--batch", args.batch),
+def check_sizes(args) -> None:
+    """``--context`` (when given) and the other sizes are positive."""
+    for flag, value in (("--context", args.context), ("--new-tokens", args.new_tokens), ("--batch", args.batch),
                         ("--max-batch-tokens", args.max_batch_tokens)):
         if value is not None and value < 1:
             raise SystemExit(f"dsa demo: {flag} must be a positive number, got {value}")
-    return context
+
+
+def demo_context(args, device, max_positions: int) -> int:
+    """The prompt length: ``--context``, else the default for the model and device (16384 minus
+    ``--new-tokens`` for the embedded default on a GPU, 32768 for a preset or checkpoint, 4096 on CPU),
+    at most what the model's ``max_position_embeddings`` leaves after ``--new-tokens``."""
+    room = max_positions - args.new_tokens
+    if args.context is not None:
+        if args.context > room:
+            raise SystemExit(f"dsa demo: --context: {args.context} + --new-tokens {args.new_tokens} exceed the "
+                             f"model's max_position_embeddings {max_positions}")
+        return args.context
+    trained = not (args.checkpoint or args.preset)
+    default = (16384 - args.new_tokens if trained else 32768) if device.type == "cuda" else 4096
+    if room < 1:
+        raise SystemExit(f"dsa demo: --new-tokens: {args.new_tokens} leave no prompt within the model's "
+                         f"max_position_embeddings {max_positions}")
+    return min(default, room)
 
 
 def demo_prompts(args, cfg, context: int) -> tuple:
@@ -150,16 +167,36 @@ def build_engine(args, model, device, context: int, tokenizer):
     return engine
 
 
-def generate(engine, prompts: list, new_tokens: int, device, quiet: bool) -> Timed:
-    """Generate exactly ``new_tokens`` greedy tokens for each prompt, with one progress bar per phase
-    so that each shows its own rate. Prefill: each step timed (synchronized) while a prompt chunk
-    remains; decode: the rest timed as a whole, the host running ahead of the GPU."""
+def demo_sampling(args) -> dict:
+    """The demo's sampling: the checkpoint's ``generation_config.json`` defaults with seed 0 (the embedded
+    default: temperature 0.7, top-p 0.9), greedy for a random-weight preset or a checkpoint without them."""
+    from dsa.model.presets import DEFAULT_CHECKPOINT
+    from dsa.serve.llm import generation_defaults
+
+    if args.preset:
+        return {"temperature": 0.0}
+    defaults = generation_defaults(args.checkpoint or DEFAULT_CHECKPOINT)
+    return {**defaults, "seed": 0} if defaults else {"temperature": 0.0}
+
+
+def describe_sampling(sampling: dict) -> str:
+    """``greedy`` or ``temperature 0.7, top_p 0.9, seed 0``."""
+    if sampling.get("temperature", 1.0) == 0:
+        return "greedy"
+    return ", ".join(f"{k} {v}" for k, v in sampling.items())
+
+
+def generate(engine, prompts: list, new_tokens: int, device, quiet: bool, sampling: dict) -> Timed:
+    """Generate exactly ``new_tokens`` tokens for each prompt with ``sampling`` (SamplingParams fields),
+    with one progress bar per phase so that each shows its own rate. Prefill: each step timed
+    (synchronized) while a prompt chunk remains; decode: the rest timed as a whole, the host running ahead
+    of the GPU."""
     import torch
     from tqdm import tqdm
 
     from dsa.engine import SamplingParams
 
-    sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)  # exactly N tokens
+    sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **sampling)  # exactly N tokens
     first = [engine.add_request(p, sampling=sampling) for p in prompts][0]
     continuation = []
 
@@ -250,8 +287,8 @@ def report(result: dict, model, engine, threads, timed: Timed) -> None:
     print("rows served: " + ", ".join(f"{k} {v}" for k, v in engine.stats.rows.items() if v))
 
 
-def show_continuation(tokenizer, prompt: list, continuation: str) -> None:
+def show_continuation(tokenizer, prompt: list, continuation: str, how: str) -> None:
     from dsa.commands.generate import escape_controls
 
     print(f"prompt: ...{escape_controls(tokenizer.decode(prompt[-24:]))!r}")
-    print(f"continuation (greedy): {escape_controls(continuation)!r}")
+    print(f"continuation ({how}): {escape_controls(continuation)!r}")
