@@ -18,8 +18,9 @@ httpx = pytest.importorskip("httpx")  # in the `test` extra; the GPU machine lac
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from dsa.bench.serve import build_plan, check_args, load_tokenizer
+from dsa.bench.serve import build_plan, load_tokenizer
 from dsa.cli import main
+from dsa.commands.bench_serve import check_args
 from dsa.serve.metrics import Histogram
 
 KEY = "bench-key"

@@ -72,11 +72,11 @@ def run(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from dsa.bench.harness import env_info
     from dsa.config import bytes_per_token, indexer_layers, latent_format
     from dsa.engine import Engine, SamplingParams
     from dsa.engine.cpu_threads import apply_cpu_threads, describe
     from dsa.kernels.common import cdiv
+    from dsa.report import env_info
 
     device = device_from_args(args, "demo")
     refuse_to_overwrite("demo", "--json", [args.json] if args.json else [], args.overwrite)
