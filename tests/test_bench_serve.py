@@ -202,6 +202,19 @@ def test_bad_arguments_get_one_line_errors(given, words):
     assert words in message and "\n" not in message
 
 
+def test_a_dataset_shorter_than_a_prompt_is_one_line_before_any_server(tmp_path, monkeypatch):
+    import dsa.bench.serve
+    monkeypatch.setattr(dsa.bench.serve, "StartedServer", lambda args: pytest.fail("started a server"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("too short")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--preset", "tiny", "--device", "cpu", "--dataset", str(corpus), "--input-len", "64",
+              "--json", str(tmp_path / "serve.json")])
+    assert e.value.code == (f"dsa bench serve: --dataset: {corpus} has 9 tokens, fewer than the prompt length 64"), \
+        e.value.code
+    assert not (tmp_path / "serve.json").exists()
+
+
 def test_plans_are_seeded_and_share_no_prefix_unless_asked():
     tok = load_tokenizer(_args())
     a, b = build_plan(_args(seed=1), tok), build_plan(_args(seed=1), tok)
