@@ -4,7 +4,8 @@ Tensor parallel runs start one process per rank under torchrun (``torchrun --npr
 bench engine --tp 2``, ``torchrun --nproc-per-node 2 -m dsa bench allreduce``); rank 0 prints and
 writes the file.
 
-``dsa bench serve`` is the exception: a load generator for ``dsa serve`` (no ceilings, no GPU needed).
+``dsa bench serve`` is the exception: a load generator for ``dsa serve`` (no ceilings, no GPU needed;
+:mod:`dsa.commands.bench_serve`). ``render`` and ``plot`` read committed JSON (no GPU either).
 """
 import importlib
 import os
