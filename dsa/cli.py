@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from dsa import __version__
-from dsa.commands import bench, demo, fit_indexer, generate, needle, recall, serve
+from dsa.commands import bench, demo, dispatch, fit_indexer, generate, needle, recall, serve
 
 DESCRIPTION = "DeepSeek Sparse Attention inference: dsa <command> (or python -m dsa <command>)."
 COMMANDS = (demo, generate, serve, recall, needle, bench, fit_indexer)
@@ -24,4 +24,4 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for result files
-    return args.func(args)
+    return dispatch(args)

@@ -10,6 +10,7 @@ import torch
 from dsa.bench.harness import gpu_slug, result_row, write_result
 from dsa.bench.report import BEGIN, END, format_rows, load_results, render_markdown, update_readme
 from dsa.cli import main
+from dsa.errors import DSAError
 
 FIXTURE = "tests/data/ceilings-fixture.json"
 
@@ -158,3 +159,51 @@ def test_tp_compare_puts_the_runs_side_by_side(tmp_path):
 def test_tp_compare_without_tp_results_says_so(tmp_path):
     with pytest.raises(SystemExit, match="no engine-tpN result file in"):
         main(["bench", "render", "--tp-compare", "--results", str(tmp_path)])
+
+
+@pytest.mark.parametrize("gaps, median", [
+    ([100.0], 100.0),
+    ([100.0, 300.0, 200.0], 200.0),
+    ([100.0] * 6 + [5000.0], 100.0),  # one slow step moves the mean, not the median
+    ([400.0, 100.0, 300.0, 200.0], 300.0),  # even count: the upper median, as Timer
+], ids=["one", "three", "a-slow-step", "even"])
+def test_engine_step_timing_reports_the_median_and_the_mean_apart(gaps, median):
+    from dsa.bench.engine import step_timing
+    t0, returned = 10.0, []
+    for g in gaps:
+        returned.append((returned[-1] if returned else t0) + g * 1e-6)
+    end = returned[-1] + 50e-6  # the closing synchronize waits for the last step's device work
+    t = step_timing(t0, returned, end)
+    mean = (sum(gaps) + 50.0) / len(gaps)
+    assert t["median_us"] == pytest.approx(median) and t["mean_us"] == pytest.approx(mean), \
+        f"gaps {gaps}: median {t['median_us']} (want {median}), mean {t['mean_us']} (want {mean})"
+    assert t["reps"] == len(gaps) and t["p10_us"] <= t["median_us"] <= t["p90_us"], t
+
+
+def test_render_into_a_readme_without_markers_is_one_line(tmp_path):
+    shutil.copy(FIXTURE, tmp_path / "indexer-h200-2026-11-29.json")
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "render", "--results", str(tmp_path), "--readme", str(readme)])
+    assert str(e.value.code) == f"{readme}: no {BEGIN} ... {END} markers to render between", e.value.code
+    assert readme.read_text() == "# no markers\n"
+
+
+@pytest.mark.parametrize("error, exits", [(DSAError, True), (ValueError, False), (RuntimeError, False)],
+                         ids=["dsa-error", "value-error", "runtime-error"])
+def test_dispatch_turns_only_a_dsa_error_into_the_exit(error, exits):
+    from argparse import Namespace
+
+    from dsa.commands import dispatch
+
+    def func(args):
+        raise error("dsa bench x: one line")
+    if exits:
+        with pytest.raises(SystemExit) as e:
+            dispatch(Namespace(func=func))
+        assert e.value.code == "dsa bench x: one line" and e.value.__cause__ is None, e.value
+    else:
+        with pytest.raises(error, match="one line"):  # a bug keeps its traceback
+            dispatch(Namespace(func=func))
+    assert dispatch(Namespace(func=lambda args: 3)) == 3

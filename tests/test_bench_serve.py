@@ -18,8 +18,9 @@ httpx = pytest.importorskip("httpx")  # in the `test` extra; the GPU machine lac
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from dsa.bench.serve import build_plan, check_args, load_tokenizer
+from dsa.bench.serve import build_plan, load_tokenizer
 from dsa.cli import main
+from dsa.commands.bench_serve import check_args
 from dsa.serve.metrics import Histogram
 
 KEY = "bench-key"
@@ -199,6 +200,19 @@ def test_bad_arguments_get_one_line_errors(given, words):
         check_args(_args(**given))
     message = str(e.value)
     assert words in message and "\n" not in message
+
+
+def test_a_dataset_shorter_than_a_prompt_is_one_line_before_any_server(tmp_path, monkeypatch):
+    import dsa.bench.serve
+    monkeypatch.setattr(dsa.bench.serve, "StartedServer", lambda args: pytest.fail("started a server"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("too short")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--preset", "tiny", "--device", "cpu", "--dataset", str(corpus), "--input-len", "64",
+              "--json", str(tmp_path / "serve.json")])
+    assert e.value.code == (f"dsa bench serve: --dataset: {corpus} has 9 tokens, fewer than the prompt length 64"), \
+        e.value.code
+    assert not (tmp_path / "serve.json").exists()
 
 
 def test_plans_are_seeded_and_share_no_prefix_unless_asked():

@@ -2,9 +2,14 @@
 
     kernels <- cache <- indexer <- model <- engine <- serve
 
-with ``dsa.config`` a leaf anyone may import (it imports only kernels). ``quality`` may import the
-model, the engine and the benches, never ``serve``; ``serve`` never imports ``quality`` or
-``bench``; the command modules (``dsa.commands``) are imported by ``dsa.cli`` alone.
+with ``dsa.config`` a leaf anyone may import (it imports only kernels) and ``dsa.errors`` a leaf anyone
+may import (it imports nothing). ``dsa.report`` (run records and figures) serves the benches, the
+quality tools and the commands. ``quality`` may import the model and the engine, never ``bench`` or
+``serve``; ``serve`` never imports ``quality`` or ``bench``; the command modules (``dsa.commands``)
+are imported by ``dsa.cli`` alone. No dsa module imports itself through others (no import cycle),
+and only ``dsa.commands`` (and ``dsa/__main__.py``) raise ``SystemExit`` or build argument parsers
+(``dsa.cli`` builds the top one): the library raises typed errors, :class:`dsa.errors.DSAError`
+for a one-line stop, which the commands turn into the exit.
 
 The packages and their folders are pyproject.toml's (``[tool.setuptools]`` ``packages`` and
 ``package-dir``: ``dsa.kernels`` is ``kernels/``), the one map both setuptools and these tests read.
@@ -42,13 +47,16 @@ BELOW = {"kernels": [], "cache": ["kernels"], "indexer": ["kernels", "cache", "c
 BELOW["model"] = BELOW["indexer"] + ["indexer"]
 BELOW["engine"] = BELOW["model"] + ["model"]
 BELOW["serve"] = BELOW["engine"] + ["engine"]
-ALLOWED = {  # layer -> the layers its modules may import (besides its own)
+ANYONE = {"errors"}  # leaves every layer may import
+ALLOWED = {  # layer -> the layers its modules may import (besides its own and ANYONE)
     **BELOW,
+    "errors": [],
     "config": ["kernels"],
+    "report": [],
     "testing": BELOW["serve"],
-    "bench": BELOW["serve"] + ["serve", "testing"],
-    "quality": BELOW["engine"] + ["engine", "bench", "testing"],
-    "commands": BELOW["serve"] + ["serve", "quality", "bench"],
+    "bench": BELOW["serve"] + ["serve", "testing", "report"],
+    "quality": BELOW["engine"] + ["engine", "testing", "report"],
+    "commands": BELOW["serve"] + ["serve", "quality", "bench", "report"],
     "cli": ["commands"],
 }
 
@@ -94,7 +102,8 @@ def _package(module: str) -> str:
 def test_packages_import_only_what_is_below_them(layer):
     assert SOURCES[layer], f"no sources for {layer}"
     for path in SOURCES[layer]:
-        bad = {m for m in _dsa_imports(path) if _package(m) not in set(ALLOWED[layer]) | {layer, "__version__"}}
+        allowed = set(ALLOWED[layer]) | {layer, "__version__"} | ANYONE
+        bad = {m for m in _dsa_imports(path) if _package(m) not in allowed}
         assert not bad, f"{path.relative_to(ROOT)} ({layer}) imports {sorted(bad)}; allowed: {ALLOWED[layer]}"
 
 
@@ -109,6 +118,131 @@ def test_loading_imports_no_other_model_module():
     """Checkpoint loading stays below the model (no import loop between them)."""
     bad = {m for m in _dsa_imports(ROOT / "dsa" / "model" / "loading.py") if m.startswith("dsa.model")}
     assert not bad, f"dsa/model/loading.py imports {sorted(bad)}"
+
+
+def _module_names() -> dict:
+    """``{module name: its file}`` for every module of every package (``dsa.kernels.common`` ->
+    kernels/common.py, a package's ``__init__.py`` under the package's own name)."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.glob("*.py"):
+            found[package if path.name == "__init__.py" else f"{package}.{path.stem}"] = path
+    return found
+
+
+MODULES = _module_names()
+
+
+def import_graph(modules: dict) -> dict:
+    """``{module: the dsa modules it imports}``, module level and function level alike: ``from P import n``
+    is an edge to the module ``P.n`` where there is one, else to ``P``; relative imports are resolved."""
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                if base.split(".")[0] != "dsa":
+                    continue
+                edges.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+        graph[name] = {e for e in edges if e in modules and e != name}
+    return graph
+
+
+def cycles(graph: dict) -> list:
+    """The import cycles of ``graph``, each as the path that closes it (``[a, b, a]``)."""
+    state, found = {}, []
+
+    def visit(m, path):
+        if state.get(m) == "open":
+            found.append(path[path.index(m):] + [m])
+        if state.get(m) is not None:
+            return
+        state[m] = "open"
+        for dep in sorted(graph.get(m, ())):
+            visit(dep, path + [m])
+        state[m] = "done"
+
+    for module in sorted(graph):
+        visit(module, [])
+    return found
+
+
+def test_no_dsa_module_imports_itself_through_others():
+    graph = import_graph(MODULES)
+    assert sum(map(len, graph.values())) > 100, "the graph lost its edges: the module map or the resolver broke"
+    found = cycles(graph)
+    assert not found, "import cycles (function-level imports included): " + "; ".join(" -> ".join(c) for c in found)
+
+
+@pytest.mark.parametrize("graph, want", [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+    ({"a": {"b"}, "b": {"a"}}, [["a", "b", "a"]]),
+    ({"a": {"b", "c"}, "b": {"c"}, "c": {"a"}}, [["a", "b", "c", "a"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": {"b"}, "d": {"a"}}, [["b", "c", "b"]]),
+], ids=["chain", "pair", "triangle", "cycle-below-a-chain"])
+def test_the_cycle_finder_finds_planted_cycles(graph, want):
+    assert [c for c in cycles(graph) if c] == want, f"cycles({graph}) = {cycles(graph)}, want {want}"
+
+
+def test_the_import_graph_resolves_relative_and_function_level_imports(tmp_path):
+    files = {"dsa.pkg": "from . import a\n", "dsa.pkg.a": "def f():\n    from .b import g\n",
+             "dsa.pkg.b": "from dsa.pkg import a\nfrom dsa import pkg\n"}
+    modules = {}
+    for name, text in files.items():
+        path = tmp_path / name / ("__init__.py" if name == "dsa.pkg" else "m.py")
+        path.parent.mkdir()
+        path.write_text(text)
+        modules[name] = path
+    graph = import_graph(modules)
+    assert graph == {"dsa.pkg": {"dsa.pkg.a"}, "dsa.pkg.a": {"dsa.pkg.b"}, "dsa.pkg.b": {"dsa.pkg.a", "dsa.pkg"}}, graph
+    assert cycles(graph) == [["dsa.pkg", "dsa.pkg.a", "dsa.pkg.b", "dsa.pkg"], ["dsa.pkg.a", "dsa.pkg.b", "dsa.pkg.a"]]
+
+
+COMMAND_LINE = {"dsa.cli", "dsa.__main__"}  # besides dsa.commands: the parser's root and `python -m dsa`
+PARSING = {"ArgumentParser", "add_argument", "add_argument_group", "add_parser", "add_subparsers", "parse_args"}
+
+
+def command_line_code(text: str) -> list:
+    """``(line, what)`` of each ``SystemExit`` and each piece of argument parsing in ``text``."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Name) and node.id == "SystemExit":
+            found.append((node.lineno, "SystemExit"))
+        elif isinstance(node, ast.Attribute) and node.attr in PARSING:
+            found.append((node.lineno, node.attr))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and "argparse" in (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]):
+            found.append((node.lineno, "argparse"))
+    return found
+
+
+def test_only_the_commands_exit_or_parse_arguments():
+    """The library raises a typed error (:class:`dsa.errors.DSAError` for a one-line stop); the
+    commands decide the exit status and own the flags."""
+    bad = [f"{path.relative_to(ROOT)}:{line}: {what}" for name, path in sorted(MODULES.items())
+           if not name.startswith("dsa.commands") and name not in COMMAND_LINE
+           for line, what in command_line_code(path.read_text())
+           if not (name == "dsa.cli" or what == "SystemExit" and name == "dsa.__main__")]
+    assert not bad, "command-line code outside dsa.commands: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("text, want", [
+    ("raise SystemExit('x')\n", [(1, "SystemExit")]),
+    ("try:\n    f()\nexcept SystemExit:\n    pass\n", [(3, "SystemExit")]),
+    ("def f(p):\n    p.add_argument('--x')\n", [(2, "add_argument")]),
+    ("import argparse\n", [(1, "argparse")]),
+    ("from argparse import Namespace\n", [(1, "argparse")]),
+    ("raise DSAError('x')\nexit_code = 1\n", []),
+], ids=["raise", "except", "add-argument", "import", "from-import", "typed-error"])
+def test_command_line_code_is_found(text, want):
+    assert command_line_code(text) == want, f"{text!r}: {command_line_code(text)}, want {want}"
 
 
 def _kernel_imports(path: pathlib.Path) -> dict:

@@ -117,7 +117,7 @@ def test_logits_equal_to_attention_reach_the_oracle(tiny, monkeypatch):
 
     def capture(i, x, q, k):
         captured["probs"] = attention_probs(q, k, captured["queries"])
-    monkeypatch.setattr(quality, "indexer_logits", attention_as_logits)
+    monkeypatch.setattr(teacher_recall, "indexer_logits", attention_as_logits)
     layer0 = LightningIndexer(indexer_config(teacher.config, 2))
     ev = {"fitted_fp8": {0: layer0, 1: layer0}, "fitted_exact": {0: layer0, 1: layer0}, "untrained": {0: layer0, 1: layer0},
           "layers": {0, 1}, "sources": {f: reuse_source([0, 1], f) for f in teacher_recall.PATTERNS},

@@ -58,3 +58,16 @@ def test_mass_recall_never_beats_the_best(model):
 def test_a_selection_compared_with_itself_is_one():
     sel = torch.randperm(100)[:20]
     assert _recall(sel, sel) == 1.0 and _recall(sel[:10], sel) == 0.5
+
+
+def test_a_model_without_an_indexer_is_refused_in_one_line(tmp_path, monkeypatch):
+    """measure refuses it with a ValueError before any work; ``dsa recall`` exits with that line."""
+    dense = tiny_model(index_topk=None)
+    with pytest.raises(ValueError, match=r"^the model has no indexer \(index_topk is None\)$"):
+        measure(dense, torch.arange(20), [16], num_queries=4, seed=0, progress=False)
+    import dsa.model.model
+    monkeypatch.setattr(dsa.model.model.DSAModel, "random", lambda *a, **k: dense)
+    with pytest.raises(SystemExit) as e:
+        main(["recall", "--device", "cpu", "--context", "64", "--out", str(tmp_path)])
+    assert e.value.code == "dsa recall: the model has no indexer (index_topk is None)", e.value.code
+    assert not list(tmp_path.iterdir()), "wrote results for a model it refused"

@@ -11,6 +11,7 @@ differ, and the largest gap of a differing position to the k-th value over the r
 """
 import torch
 
+from dsa.errors import DSAError
 from dsa.kernels import deepgemm, indexer_logits_paged, indexer_logits_ragged
 from dsa.testing import topk_agreement
 
@@ -64,7 +65,7 @@ def bench_ragged(device, timer, ceilings, t: int, s: int) -> list:
 
 def run(device, timer, ceilings, args) -> list:
     if not deepgemm.available():
-        raise SystemExit("dsa bench deepgemm: deep_gemm is not importable (build it from "
+        raise DSAError("dsa bench deepgemm: deep_gemm is not importable (build it from "
                          "github.com/deepseek-ai/DeepGEMM)")
     rows = []
     for b, n, s in PAGED_SHAPES[:1] if args.quick else PAGED_SHAPES:

@@ -3,10 +3,12 @@
 For B requests at context S, the caches are filled with random bytes of the right formats (no real
 prefill) and the requests are placed as if their prompts had just been prefilled; then STEPS
 consecutive decode steps are timed together (steady state: the host schedules and packs step N+1
-while the GPU runs step N). ``step_us`` is their wall time per step (plan, upload, graph replay,
-sampling, bookkeeping; p10/p90 of the gaps between step returns), ``replay_us`` the device time
-of the step's CUDA graph alone (replayed with the L2 flushed), ``host_share`` =
-``(step_us - replay_us) / step_us``. DSA runs the demo model; dense runs the same weights without
+while the GPU runs step N). ``mean_us`` is their wall time per step (plan, upload, graph replay,
+sampling, bookkeeping: the STEPS steps' time to the last synchronize over STEPS); ``median_us``,
+``p10_us`` and ``p90_us`` are the median and percentiles of the gaps between step returns;
+``replay_us`` is the device time of the step's CUDA graph alone (replayed with the L2 flushed).
+Throughput comes from the mean: ``tokens_per_s`` = ``B / mean_us``, ``host_share`` =
+``(mean_us - replay_us) / mean_us``, ``speedup_vs_dense`` the ratio of the means. DSA runs the demo model; dense runs the same weights without
 the indexer (the dense absorbed decode over the whole context).
 
 ``engine_prefill`` rows: one 32K-token prompt prefilled in chunks of 8192 rows (eager, no graphs),
@@ -87,6 +89,16 @@ def decoding_engine(model, b: int, s: int, g: torch.Generator) -> Engine:
     return engine
 
 
+def step_timing(t0: float, returned: list, end: float) -> dict:
+    """Consecutive steps started at ``t0`` (seconds), step i returning at ``returned[i]``, the device
+    synchronized at ``end``: ``mean_us`` = ``(end - t0) / steps``; ``median_us``, ``p10_us``, ``p90_us``
+    of the gaps between returns (the upper median at an even count, as :class:`~dsa.bench.harness.Timer`)."""
+    gaps = sorted(1e6 * (t1 - t) for t, t1 in zip([t0] + returned[:-1], returned))
+    n = len(gaps)
+    return {"median_us": gaps[n // 2], "mean_us": 1e6 * (end - t0) / n, "p10_us": gaps[n // 10],
+            "p90_us": gaps[9 * n // 10], "reps": n}
+
+
 def prefill_row(name: str, model, ceilings, tp_extra: dict, say) -> dict:
     """Wall time of one PREFILL_TOKENS prompt, chunks of PREFILL_CHUNK rows, to its first token."""
     p = model.config.block_size
@@ -136,15 +148,15 @@ def run(device, timer, ceilings, args) -> list:
             engine = decoding_engine(model, b, s, g)
             for i in range(WARMUP):
                 engine.step()
-            walls, produced = [], 0  # steady state: the host schedules step N+1 while the GPU runs step N
+            returned, produced = [], 0  # steady state: the host schedules step N+1 while the GPU runs step N
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for i in range(STEPS):
                 produced += len(engine.step())
-                walls.append(time.perf_counter())
+                returned.append(time.perf_counter())
             torch.cuda.synchronize()
-            walls = sorted(1e6 * (t1 - t) for t, t1 in zip([t0] + walls[:-1], walls))
-            step_us = 1e6 * (time.perf_counter() - t0) / STEPS
+            timing = step_timing(t0, returned, time.perf_counter())
+            mean_us = timing["mean_us"]
             assert engine.stats.graph_steps == WARMUP + STEPS and produced == b * STEPS
             graph = engine.runner.graphs[(batch_bucket(b), context_bucket(s + WARMUP + STEPS, model.config.block_size))]
             replay = timer(graph.graph.replay)
@@ -158,17 +170,17 @@ def run(device, timer, ceilings, args) -> list:
                 bare = timer(captured.graph.replay)
                 extra = dict(replay_no_allreduce_us=bare["median_us"],
                              allreduce_share=max(0.0, 1 - bare["median_us"] / replay["median_us"]), note=NO_ALLREDUCE)
-            per[name] = step_us
+            per[name] = mean_us
             single = tp.size == 1  # the targets are TP=1's
             rows.append(result_row("engine_decode", f"{name}+graph", dict(B=b, S=s, layers=model.config.num_hidden_layers),
-                                   dict(median_us=step_us, p10_us=walls[len(walls) // 10], p90_us=walls[9 * len(walls) // 10],
-                                        reps=STEPS), ceilings, tokens_per_s=b / step_us * 1e6,
-                                   replay_us=replay["median_us"], host_share=max(0.0, 1 - replay["median_us"] / step_us),
+                                   timing, ceilings, tokens_per_s=b / mean_us * 1e6,
+                                   replay_us=replay["median_us"], host_share=max(0.0, 1 - replay["median_us"] / mean_us),
                                    target_tokens_per_s=500.0 if single and (name, b, s) == ("dsa", 1, 32768) else None,
                                    target_host_share=0.10 if single and name == "dsa" and s == 8192 and b in (1, 64)
                                    else None, **tp_extra, **extra))
             r = rows[-1]
-            say(f"{name} B={b} S={s} TP={tp.size}: {step_us:.0f} us/step = {r['tokens_per_s']:.0f} tokens/s, graph "
+            say(f"{name} B={b} S={s} TP={tp.size}: {mean_us:.0f} us/step (median {r['median_us']:.0f}) = "
+                f"{r['tokens_per_s']:.0f} tokens/s, graph "
                 f"replay {r['replay_us']:.0f} us, host share {100 * r['host_share']:.1f}%"
                 + (f", replay without all-reduce {extra['replay_no_allreduce_us']:.0f} us (all-reduce "
                    f"{100 * extra['allreduce_share']:.1f}%)" if extra else ""), flush=True)

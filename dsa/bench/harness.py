@@ -5,51 +5,14 @@ counting read + write; median of repeated 8192^3 bf16 and fp8 products); then ea
 against its reference before it is timed; each time is the median of CUDA-event timings with
 the L2 flushed before every call.
 """
-import datetime
 import json
 import os
-import platform
-import subprocess
 
 import torch
 
 L2_FLUSH_BYTES = 256 << 20  # several times the H200's 50 MB L2
 COPY_BYTES = 4 << 30
 MATMUL_N = 8192
-
-
-def require_cuda(what: str) -> torch.device:
-    if not torch.cuda.is_available():
-        raise SystemExit(f"dsa bench {what}: timing needs a CUDA GPU and none is visible "
-                         "(`dsa bench render` and `dsa bench plot` work without one)")
-    return torch.device("cuda")
-
-
-def git_sha() -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def env_info() -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(), "git_sha": git_sha(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-            "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, sm_count=props.multi_processor_count, cuda=torch.version.cuda,
-                    capability=f"{props.major}.{props.minor}", memory_gib=round(props.total_memory / 2**30, 1))
-    return info
 
 
 def gpu_slug(name: str) -> str:

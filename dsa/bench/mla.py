@@ -6,6 +6,7 @@ of issue #15 are graph-replay times). ``--variants`` adds tile/split sweeps.
 """
 import torch
 
+from dsa.errors import DSAError
 from dsa.kernels import (
     dense_mla_decode,
     dense_mla_decode_reference,
@@ -67,7 +68,7 @@ def check(got, want, what: str) -> None:
     err = ((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item()
     lse_err = (lse - ref_lse).abs().max().item()
     if not (err < 2e-2 and lse_err < 1e-3):
-        raise SystemExit(f"dsa bench mla: {what} disagrees with the reference (out {err:.3g}, lse {lse_err:.3g})")
+        raise DSAError(f"dsa bench mla: {what} disagrees with the reference (out {err:.3g}, lse {lse_err:.3g})")
 
 
 def add(rows: list, row: dict) -> None:

@@ -9,6 +9,8 @@
 import os
 from collections import defaultdict
 
+from dsa.report import save_figure
+
 from .report import load_results
 
 FIGURES = ("time_vs_context.png", "dsa_vs_dense.png")  # what plot_results writes (each when it has rows)
@@ -26,14 +28,6 @@ def _floor_us(row: dict, ceilings: dict):
     if bound in ("bf16", "fp8") and row.get("flops"):
         return row["flops"] / (ceilings[f"{bound}_tflops"] * 1e12) * 1e6
     return None
-
-
-def require_matplotlib(command: str) -> None:
-    """Refuse early, with the extra to install, when matplotlib is missing (before any work)."""
-    import importlib.util
-    if importlib.util.find_spec("matplotlib") is None:
-        raise SystemExit(f"{command}: plotting needs matplotlib; install it with "
-                         "pip install 'deepseek-sparse-attention[eval]' (or pip install matplotlib)")
 
 
 def plot_results(results: str, out_dir: str) -> list:
@@ -90,11 +84,3 @@ def plot_results(results: str, out_dir: str) -> list:
         paths.append(save_figure(fig, out_dir, FIGURES[1]))
     return paths
 
-
-def save_figure(fig, out_dir: str, name: str) -> str:
-    import matplotlib.pyplot as plt
-    path = os.path.join(out_dir, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -3,6 +3,8 @@ import glob
 import json
 import os
 
+from dsa.errors import DSAError
+
 BEGIN, END = "<!-- perf:begin -->", "<!-- perf:end -->"
 
 
@@ -101,24 +103,16 @@ def render_markdown(docs: list[dict]) -> str:
 
 
 def update_readme(readme: str, markdown: str) -> None:
+    """Replace what stands between the perf markers of ``readme`` with ``markdown``."""
     with open(readme) as f:
         text = f.read()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme}: no {BEGIN} ... {END} markers to render between")
+        raise DSAError(f"{readme}: no {BEGIN} ... {END} markers to render between")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     with open(readme, "w") as f:
         f.write(f"{head}{BEGIN}\n{markdown}\n{END}{tail}")
 
-
-def render_command(results: str, readme: str | None) -> int:
-    markdown = render_markdown(load_results(results))
-    if readme:
-        update_readme(readme, markdown)
-        print(f"updated {readme}")
-    else:
-        print(markdown)
-    return 0
 
 
 def _key(row: dict) -> tuple:
@@ -165,11 +159,3 @@ def tp_compare(docs: list[dict]) -> str:
         out += ["| " + " | ".join(_pair_cells(base.get(_key(r)), r, n)) + " |" for r in d["rows"]]
         out.append("")
     return "\n".join(out).rstrip()
-
-
-def tp_compare_command(results: str) -> int:
-    text = tp_compare(load_results(results))
-    if not text:
-        raise SystemExit(f"dsa bench render --tp-compare: no engine-tpN result file in {results}")
-    print(text)
-    return 0

@@ -1,4 +1,6 @@
-"""``dsa bench serve``: a load generator for the OpenAI-compatible server (in the spirit of ``vllm bench serve``).
+"""The load generator of ``dsa bench serve`` (in the spirit of ``vllm bench serve``): prompts, the
+started server, the requests and their statistics; the command (options, run, report) is
+:mod:`dsa.commands.bench_serve`, the soak mix :mod:`dsa.bench.soak`.
 
 It starts ``dsa serve`` in a subprocess on a free loopback port (``--preset``, ``--checkpoint``,
 ``--device``, ``--max-batch-tokens``, ``--num-blocks`` pass through) and times it to a healthy
@@ -25,7 +27,12 @@ import sys
 import tempfile
 import time
 
-from dsa.model.preset_names import PRESET_NAMES
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from dsa.errors import DSAError
+from dsa.serve.tokenizer import ByteTokenizer, Tokenizer
 
 # a fixed word list: prompts are seeded draws from it
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
@@ -45,79 +52,15 @@ COMPILES = "dsa_kernel_compiles_total"
 KEEPALIVE_S = 2.0
 
 
-def add_arguments(g) -> None:
-    """The serve bench's options (the model options come from ``dsa.commands.options``)."""
-    g.add_argument("--url", help="a running server (e.g. http://127.0.0.1:8000); default: start "
-                   "dsa serve on a free loopback port")
-    g.add_argument("--preset", choices=PRESET_NAMES, help="the started server's random-weight preset "
-                   "(default: the embedded default model)")
-    g.add_argument("--api-key", default=os.environ.get("DSA_API_KEY"), help="the server's key (default: "
-                   "$DSA_API_KEY)")
-    g.add_argument("--num-requests", type=int, default=64, help="requests to send (default: %(default)s)")
-    g.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default: "
-                   "%(default)s)")
-    g.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second "
-                   "(default: %(default)s, each request when a slot frees)")
-    g.add_argument("--concurrency-range", type=int, nargs=2, metavar=("A", "B"), help="bursts of a uniform "
-                   "A..B requests sent at once, each after the last finished")
-    g.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: %(default)s)")
-    g.add_argument("--input-len-range", type=int, nargs=2, metavar=("A", "B"), help="prompt tokens drawn "
-                   "uniformly from A..B per request")
-    g.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default: %(default)s)")
-    g.add_argument("--max-tokens-range", type=int, nargs=2, metavar=("A", "B"), help="max_tokens drawn "
-                   "uniformly from A..B per request")
-    g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (every output max_tokens long)")
-    g.add_argument("--dataset", help="a text file; prompts are random spans of it (default: random words)")
-    g.add_argument("--tokenizer", help="tokenizer folder for prompt lengths (default: the checkpoint's, "
-                   "else the byte-level one of the embedded model and presets)")
-    g.add_argument("--shared-prefix", type=int, metavar="N", help="groups of N questions on one document "
-                   "of --input-len tokens, a group sent at once")
-    g.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals (default: %(default)s)")
-    g.add_argument("--soak", action="store_true", help="a seeded mix (streamed, plain, chats, client drops, bad "
-                   "requests, stop strings, large max_tokens) in bursts up to twice --concurrency, then checks "
-                   "that nothing was lost, nothing leaked and memory stayed flat (dsa.bench.soak)")
-    g.add_argument("--json", help="result file (default: <--out>/serve-<gpu or cpu>-<date>.json)")
-    g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds the started server gets to "
-                   "answer /health (default: %(default)s)")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may wait for "
-                   "a chunk (default: %(default)s)")
-
-
-def check_args(args) -> None:
-    """One-line errors naming the argument."""
-    def fail(msg):
-        raise SystemExit(f"dsa bench serve: {msg}")
-    for name in ("num_requests", "concurrency", "input_len", "max_tokens", "shared_prefix"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')}: expected at least 1, got {value}")
-    if not args.request_rate > 0:
-        fail(f"--request-rate: expected a positive rate, got {args.request_rate}")
-    for name in ("input_len_range", "max_tokens_range", "concurrency_range"):
-        r = getattr(args, name)
-        if r is not None and not 1 <= r[0] <= r[1]:
-            fail(f"--{name.replace('_', '-')}: expected 1 <= A <= B, got {r[0]} {r[1]}")
-    if args.url and (args.preset or args.checkpoint):
-        fail("--url: a running server; --preset and --checkpoint are for the one this command starts")
-    if args.preset and args.checkpoint:
-        fail("--preset: give --checkpoint or --preset, not both")
-    if args.shared_prefix and (args.concurrency_range or args.dataset or args.input_len_range):
-        fail("--shared-prefix: not with --concurrency-range, --dataset or --input-len-range")
-    if args.request_rate != float("inf") and (args.shared_prefix or args.concurrency_range):
-        fail("--request-rate: not with --shared-prefix or --concurrency-range (they send bursts)")
-    if args.dataset and not os.path.isfile(args.dataset):
-        fail(f"--dataset: {args.dataset} is not a file")
-
-
 # ---- prompts --------------------------------------------------------------------------------
 def load_tokenizer(args):
-    from dsa.serve.tokenizer import ByteTokenizer, Tokenizer
+    """``--tokenizer``, else the checkpoint's tokenizer.json, else the byte-level tokenizer."""
     folder = args.tokenizer or (args.checkpoint if args.checkpoint and
                                 os.path.exists(os.path.join(args.checkpoint, "tokenizer.json")) else None)
     return Tokenizer.from_pretrained(folder) if folder else ByteTokenizer()
 
 
-def _words(tok, rng: random.Random, n: int, head: str = "", special: bool = True) -> list:
+def words(tok, rng: random.Random, n: int, head: str = "", special: bool = True) -> list:
     """``n`` token ids of ``head`` then random words."""
     count = n
     while True:
@@ -139,8 +82,8 @@ def build_plan(args, tok) -> list:
         for i in range(n):
             group = i // args.shared_prefix
             if i % args.shared_prefix == 0:
-                doc = _words(tok, rng, args.input_len, f"Document {group}: ")
-            question = _words(tok, rng, 16, f"\nQuestion {i % args.shared_prefix}: ", special=False) + \
+                doc = words(tok, rng, args.input_len, f"Document {group}: ")
+            question = words(tok, rng, 16, f"\nQuestion {i % args.shared_prefix}: ", special=False) + \
                 tok.encode("?", add_special_tokens=False)
             plan.append({"prompt": doc + question, "max_tokens": max_tokens[i], "burst": group})
         return plan
@@ -149,14 +92,14 @@ def build_plan(args, tok) -> list:
             corpus = tok.encode(f.read(), add_special_tokens=False)
         bos = [] if getattr(tok, "bos_token_id", None) is None else [tok.bos_token_id]
         if len(corpus) + len(bos) < max(input_lens):
-            raise SystemExit(f"dsa bench serve: --dataset: {args.dataset} has {len(corpus)} tokens, fewer than the "
+            raise DSAError(f"dsa bench serve: --dataset: {args.dataset} has {len(corpus)} tokens, fewer than the "
                              f"prompt length {max(input_lens)}")
         prompts = []
         for length in input_lens:
             start = rng.randrange(len(corpus) - (length - len(bos)) + 1)
             prompts.append(bos + corpus[start:start + length - len(bos)])
     else:
-        prompts = [_words(tok, rng, length, f"{i}. ") for i, length in enumerate(input_lens)]
+        prompts = [words(tok, rng, length, f"{i}. ") for i, length in enumerate(input_lens)]
     bursts = [None] * n
     if args.concurrency_range:
         i, burst = 0, 0
@@ -178,7 +121,6 @@ class StartedServer:
     """``dsa serve`` in a subprocess on a free loopback port; its output in a log file."""
 
     def __init__(self, args):
-        import httpx
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "dsa", "serve", "--port", str(port), "--max-batch-tokens",
@@ -209,7 +151,7 @@ class StartedServer:
             return "".join(f.readlines()[-lines:])
 
     def fail(self, message: str):
-        raise SystemExit(f"dsa bench serve: {message}; the end of its log ({self.log.name}):\n{self.tail()}")
+        raise DSAError(f"dsa bench serve: {message}; the end of its log ({self.log.name}):\n{self.tail()}")
 
     def stop(self, keep_log: bool = True) -> None:
         """End the server (SIGTERM, then SIGKILL after 60 s); the log stays unless ``keep_log`` is false."""
@@ -294,9 +236,6 @@ async def send(client, url: str, model: str, item: dict, ignore_eos: bool) -> di
 
 async def run_plan(url: str, api_key, model: str, plan: list, args) -> tuple:
     """Send the plan; returns (rows in plan order, seconds from the first send to the last finish)."""
-    import httpx
-    from tqdm import tqdm
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S)
     rows = [None] * len(plan)
@@ -336,8 +275,6 @@ async def run_plan(url: str, api_key, model: str, plan: list, args) -> tuple:
 
 # ---- the report -----------------------------------------------------------------------------
 def stats(values: list) -> dict:
-    import numpy as np
-
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     a = np.asarray(values, dtype=np.float64)
@@ -361,127 +298,3 @@ def summarize(rows: list, duration: float, args) -> dict:
         "ttft_s": stats([r["ttft_s"] for r in done]), "tpot_s": stats(tpot),
         "itl_s": stats([x for r in done for x in r["itl_s"]]), "e2e_s": stats([r["e2e_s"] for r in done]),
     }
-
-
-def print_summary(s: dict, server: dict) -> None:
-    def ms(d):
-        return "  ".join(f"{k} {1e3 * v:.1f}" if v is not None else f"{k} -" for k, v in d.items())
-    if server["ready_s"] is not None:
-        print(f"server ready in {server['ready_s']:.1f} s")
-    print(f"requests {s['completed']}/{s['requests']} ok, {s['failed']} failed in {s['duration_s']:.2f} s "
-          f"({s['requests_per_s'] or 0:.2f} req/s)")
-    print(f"tokens in {s['input_tokens']}, out {s['output_tokens']} ({s['tokens_from']}); output "
-          f"{s['output_tokens_per_s'] or 0:.1f} tok/s, total {s['total_tokens_per_s'] or 0:.1f} tok/s")
-    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
-        print(f"{name[:-2].upper():5} ms: {ms(s[name])}")
-    print(f"kernel compiles after ready: {server['kernel_compiles_after_ready']}")
-    for e in s["errors"]:
-        print(f"error: {e}")
-
-
-def device_slug(args) -> str:
-    import torch
-
-    from dsa.bench.harness import gpu_slug
-    device = args.device if args.url is None else None
-    if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
-        return gpu_slug(torch.cuda.get_device_name())
-    return "cpu"
-
-
-def result_path(args, date: str) -> str:
-    """``--json``, else ``<--out>/{serve,soak}-<gpu or cpu>-<date>.json``."""
-    return args.json or os.path.join(args.out, f"{'soak' if args.soak else 'serve'}-{device_slug(args)}-{date}.json")
-
-
-def _soak_report(args, server: dict, rows: list, summary: dict, duration: float) -> int:
-    from dsa.bench.harness import env_info
-    env = env_info()
-    path = result_path(args, env["date"])
-    given = {k: (None if v == float("inf") else v) for k, v in vars(args).items() if k != "func"}
-    doc = {"op": "serve-soak", "env": env, "args": given, "server": server, "duration_s": duration,
-           "summary": summary, "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    outcomes = {}
-    for kinds in summary["by_kind"].values():
-        for k, v in kinds.items():
-            outcomes[k] = outcomes.get(k, 0) + v
-    print(f"soak: {summary['requests']} requests in {duration:.1f} s: " + ", ".join(f"{k} {v}" for k, v in
-                                                                                  sorted(outcomes.items())))
-    print(f"lost {summary['lost']}; held after: {summary['leaked']}; memory growth since half-way: "
-          + ", ".join(f"{k} {v / 2**20:+.1f} MiB" for k, v in summary["memory_growth_bytes"].items())
-          + f" (bound {summary['memory_bound_bytes'] / 2**20:.0f} MiB); kernel compiles after ready: "
-          f"{server['kernel_compiles_after_ready']}")
-    trace = [m.get("process_resident_memory_bytes") for m in summary["memory_trace"]]
-    if all(v is not None for v in trace):
-        print("resident memory at each quarter and the end: " + ", ".join(f"{v / 2**20:.0f}" for v in trace) + " MiB")
-    print(f"wrote {path}")
-    return 0 if summary["ok"] else 1
-
-
-def run(args) -> int:
-    import httpx
-
-    from dsa.bench import soak
-    from dsa.bench.harness import env_info
-    check_args(args)
-    tok = load_tokenizer(args)
-    plan = soak.soak_plan(args, tok) if args.soak else build_plan(args, tok)
-    started = None if args.url else StartedServer(args)
-    url = (args.url or started.url).rstrip("/")
-    try:
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        with httpx.Client(headers=headers, timeout=30.0) as client:
-            try:
-                r = client.get(url + "/v1/models")
-            except httpx.HTTPError as e:
-                raise SystemExit(f"dsa bench serve: --url: {url} does not answer ({type(e).__name__}: {e})") from None
-            if r.status_code != 200:
-                raise SystemExit(f"dsa bench serve: {url}/v1/models answered HTTP {r.status_code} "
-                                 f"(a key? --api-key): {r.text[:200]}")
-            model = r.json()["data"][0]["id"]
-            before = read_compiles(client, url)
-            if args.soak:
-                t0 = time.perf_counter()
-                rows, marks = asyncio.run(soak.soak_run(url, args.api_key, model, plan, args))
-                duration = time.perf_counter() - t0
-                end = soak.settled_gauges(url, args.api_key)
-            else:
-                rows, duration = asyncio.run(run_plan(url, args.api_key, model, plan, args))
-            after = read_compiles(client, url)
-    except BaseException:
-        if started is not None:
-            started.stop()
-            print(f"the server's log: {started.log.name}", file=sys.stderr)
-        raise
-    failed = sum(r["outcome"] == "lost" for r in rows) if args.soak else sum(r["error"] is not None for r in rows)
-    if started is not None:
-        started.stop(keep_log=failed > 0)
-        if failed:
-            print(f"the server's log: {started.log.name}")
-    server = {"url": url, "started": started is not None, "model": model,
-              "ready_s": None if started is None else started.ready_s,
-              "kernel_compiles_after_ready": None if before is None or after is None else after - before}
-    if args.soak:
-        return _soak_report(args, server, rows, soak.soak_summary(rows, marks, end), duration)
-    summary = summarize(rows, duration, args)
-    if args.ignore_eos and summary["short_outputs"]:
-        print(f"warning: --ignore-eos: {summary['short_outputs']} requests ended before max_tokens")
-    env = env_info()
-    path = result_path(args, env["date"])
-    given = {k: (None if v == float("inf") else v) for k, v in vars(args).items() if k != "func"}
-    doc = {"op": "serve", "env": env, "args": given,
-           "server": server, "summary": summary,
-           "rows": [{"index": i, "burst": p["burst"], **{k: v for k, v in r.items() if k != "usage"}}
-                    for i, (p, r) in enumerate(zip(plan, rows))]}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    print_summary(summary, server)
-    print(f"wrote {path}")
-    return 0 if summary["failed"] == 0 else 1
-

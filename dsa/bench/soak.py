@@ -20,6 +20,11 @@ import json
 import random
 import time
 
+import httpx
+from tqdm import tqdm
+
+from dsa.bench.serve import KEEPALIVE_S, words
+
 KINDS = ("stream", "plain", "chat", "chat_stream", "disconnect", "bad", "stop", "long")
 WEIGHTS = (4, 2, 2, 2, 1, 1, 1, 1)
 MEMORY_BOUND = 64 << 20  # bytes of growth from the half-way point to the end (host and GPU each)
@@ -29,7 +34,6 @@ GAUGES = ("dsa_requests_running", "dsa_requests_waiting", "dsa_cache_blocks_in_u
 
 def soak_plan(args, tok) -> list:
     """``[{"kind", "prompt", "max_tokens", "burst"}]``, seeded by ``--seed``."""
-    from dsa.bench.serve import _words
     rng = random.Random(args.seed)
     plan, burst, left = [], 0, 0
     for i in range(args.num_requests):
@@ -39,7 +43,7 @@ def soak_plan(args, tok) -> list:
         kind = rng.choices(KINDS, WEIGHTS)[0]
         n = rng.randint(*args.input_len_range) if args.input_len_range else args.input_len
         m = rng.randint(*args.max_tokens_range) if args.max_tokens_range else args.max_tokens
-        plan.append({"kind": kind, "prompt": _words(tok, rng, n, f"{i}. "), "text": f"{i}. tell me about the sea",
+        plan.append({"kind": kind, "prompt": words(tok, rng, n, f"{i}. "), "text": f"{i}. tell me about the sea",
                      "max_tokens": 4 * m if kind == "long" else m, "burst": burst,
                      "cut": rng.randint(1, 3), "bad": rng.choice(("negative", "model", "json"))})
     return plan
@@ -118,11 +122,6 @@ async def soak_one(client, url: str, model: str, item: dict) -> dict:
 async def soak_run(url: str, api_key, model: str, plan: list, args) -> tuple:
     """Send the plan burst by burst; returns (rows, the gauges at each quarter of the plan: the
     half-way ones are the memory baseline)."""
-    import httpx
-    from tqdm import tqdm
-
-    from dsa.bench.serve import KEEPALIVE_S
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rows, marks = [None] * len(plan), []
     bursts = {}
@@ -146,7 +145,6 @@ async def soak_run(url: str, api_key, model: str, plan: list, args) -> tuple:
 def settled_gauges(url: str, api_key, timeout: float = 600.0) -> dict:
     """The gauges once no request runs or waits (dropped streams are aborted asynchronously); a
     generous bound, so a slow machine is waited for rather than reported as leaking."""
-    import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout
     with httpx.Client(headers=headers, timeout=30.0) as client:

@@ -4,14 +4,16 @@ Tensor parallel runs start one process per rank under torchrun (``torchrun --npr
 bench engine --tp 2``, ``torchrun --nproc-per-node 2 -m dsa bench allreduce``); rank 0 prints and
 writes the file.
 
-``dsa bench serve`` is the exception: a load generator for ``dsa serve`` (no ceilings, no GPU needed).
+``dsa bench serve`` is the exception: a load generator for ``dsa serve`` (no ceilings, no GPU needed;
+:mod:`dsa.commands.bench_serve`). ``render`` and ``plot`` read committed JSON (no GPU either).
 """
 import importlib
 import os
 import shlex
 
-from dsa.bench import serve as serve_bench
-from dsa.commands.options import add_model_arguments, add_overwrite_argument, device_from_args, refuse_to_overwrite
+from dsa.bench.report import format_rows, load_results, render_markdown, tp_compare, update_readme
+from dsa.commands import bench_serve
+from dsa.commands.options import add_model_arguments, add_overwrite_argument, refuse_to_overwrite
 
 TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> rows
     "indexer": "dsa.bench.indexer",
@@ -50,7 +52,7 @@ def add_parser(sub) -> None:
     p.add_argument("--git-sha", default=None, help="record this commit (default: what git rev-parse HEAD says here)")
     g = p.add_argument_group("serve", "dsa bench serve: the server it starts (model options) and the load")
     add_model_arguments(g)
-    serve_bench.add_arguments(g)
+    bench_serve.add_arguments(g)
     p.set_defaults(func=run)
 
 
@@ -83,26 +85,60 @@ def command_line(args) -> str:
     return f"python -m dsa {argv}"
 
 
-def run(args) -> int:
-    from dsa.bench.harness import Timer, env_info, measure_ceilings, require_cuda, write_result
+def require_cuda(what: str):
+    """The CUDA device timing runs on; one line when none is visible."""
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit(f"dsa bench {what}: timing needs a CUDA GPU and none is visible "
+                         "(`dsa bench render` and `dsa bench plot` work without one)")
+    return torch.device("cuda")
 
+
+def run(args) -> int:
     if args.op == "plot":
-        from dsa.bench.plot import plot_results, require_matplotlib
-        require_matplotlib("dsa bench plot")
-        from dsa.bench.plot import FIGURES
-        refuse_to_overwrite("bench plot", "--figures", [os.path.join(args.figures, n) for n in FIGURES], args.overwrite)
-        paths = plot_results(args.results, args.figures)
-        print("wrote " + (", ".join(paths) if paths else "nothing (no result rows with a context length)"))
-        return 0
+        return plot(args)
     if args.op == "serve":
-        if args.url is None:  # the server it starts runs there
-            device_from_args(args, "bench serve")
-        refuse_to_overwrite("bench serve", "--json" if args.json else "--out",
-                            [serve_bench.result_path(args, env_info()["date"])], args.overwrite)
-        return serve_bench.run(args)
+        return bench_serve.run(args)
     if args.op == "render":
-        from dsa.bench.report import render_command, tp_compare_command
-        return tp_compare_command(args.results) if args.tp_compare else render_command(args.results, args.readme)
+        return render(args)
+    return timed(args)
+
+
+def plot(args) -> int:
+    from dsa.bench.plot import FIGURES, plot_results
+    from dsa.report import require_matplotlib
+
+    require_matplotlib("dsa bench plot")
+    refuse_to_overwrite("bench plot", "--figures", [os.path.join(args.figures, n) for n in FIGURES], args.overwrite)
+    paths = plot_results(args.results, args.figures)
+    print("wrote " + (", ".join(paths) if paths else "nothing (no result rows with a context length)"))
+    return 0
+
+
+def render(args) -> int:
+    """The README tables of the newest result of each op (into ``--readme`` between its perf markers,
+    else printed), or with ``--tp-compare`` the TP=1 and TP=N engine results side by side."""
+    docs = load_results(args.results)
+    if args.tp_compare:
+        text = tp_compare(docs)
+        if not text:
+            raise SystemExit(f"dsa bench render --tp-compare: no engine-tpN result file in {args.results}")
+        print(text)
+        return 0
+    markdown = render_markdown(docs)
+    if args.readme:
+        update_readme(args.readme, markdown)
+        print(f"updated {args.readme}")
+    else:
+        print(markdown)
+    return 0
+
+
+def timed(args) -> int:
+    """Same-run ceilings, then the op's rows (``ceilings`` alone: none), written by rank 0."""
+    from dsa.bench.harness import Timer, gpu_slug, measure_ceilings, result_path, write_result
+    from dsa.report import env_info
+
     check_ranks(args)
     device = require_cuda(args.op)
     if "LOCAL_RANK" in os.environ:  # torchrun: this rank's GPU, before anything allocates
@@ -115,7 +151,6 @@ def run(args) -> int:
         env["git_sha"] = args.git_sha
     op = args.op if args.tp == 1 else f"{args.op}-tp{args.tp}"
     if rank0:
-        from dsa.bench.harness import gpu_slug, result_path
         refuse_to_overwrite(f"bench {args.op}", "--out", [result_path(op, env, args.out)] + (
             [os.path.join(args.out, f"dispatch_{gpu_slug(env['gpu'])}.json")] if args.op == "crossover" else []),
             args.overwrite)
@@ -132,7 +167,6 @@ def run(args) -> int:
     path = write_result(op, rows, ceilings, env, args.out,
                         args={**{k: v for k, v in vars(args).items() if k not in ("func", "argv")},
                               "command_line": command_line(args)})
-    from dsa.bench.report import format_rows
     print(format_rows(rows))
     print(f"wrote {path}")
     return 0

@@ -236,8 +236,8 @@ def results(args, device, model, engine, context: int, load_s: float, threads, t
     """The run's record, as ``--json`` writes it (the continuation is added by :func:`run`)."""
     import torch
 
-    from dsa.bench.harness import env_info
     from dsa.config import bytes_per_token, indexer_layers, latent_format
+    from dsa.report import env_info
 
     cfg = model.config
     prefill_tokens = args.batch * context

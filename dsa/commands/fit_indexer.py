@@ -41,11 +41,11 @@ def run(args) -> int:
     t_start = time.perf_counter()
     import torch
 
-    from dsa.bench.harness import env_info
     from dsa.quality.corpus import read_streams, windows
     from dsa.quality.fit import fit, parse_layers, plot_curve, sample_queries
     from dsa.quality.selection import indexer_file, save_indexer
     from dsa.quality.teacher import LlamaTeacher
+    from dsa.report import env_info
 
     device = device_from_args(args, "fit-indexer")
     if args.max_minutes is not None and not args.max_minutes > 0:

@@ -59,13 +59,12 @@ def run(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from dsa.bench.harness import env_info
-    from dsa.bench.plot import require_matplotlib
     from dsa.indexer import LightningIndexer
     from dsa.quality.corpus import read_streams, sample_window
     from dsa.quality.needle import FIGURE, plot, samples, score, selection_rules, summarize, table_text
     from dsa.quality.selection import PACKAGED, load_indexers, rope_tables
     from dsa.quality.teacher import LlamaTeacher
+    from dsa.report import env_info, require_matplotlib
 
     require_matplotlib("dsa needle")
     parse(args)

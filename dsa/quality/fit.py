@@ -17,6 +17,12 @@ import time
 import torch
 from tqdm import tqdm
 
+from dsa.indexer import LightningIndexer
+from dsa.quality.corpus import sample_window
+from dsa.quality.selection import indexer_config, indexer_logits, rope_tables, warmup_kl
+from dsa.quality.teacher import attention_probs
+from dsa.report import save_figure
+
 EVAL_SHARE = 0.2  # of a time budget, for the held-out KL before training (the one after gets as long)
 
 
@@ -46,8 +52,6 @@ class OutOfTime(Exception):
 def teacher_targets(teacher, ids, layers, queries, until=None, clock=time.perf_counter) -> dict:
     """``{layer: (x [T, hidden], probs [Q, T])}`` from one frozen teacher pass (stops after the last layer);
     with ``until`` (a ``clock()`` time) it raises :class:`OutOfTime` after the layer that passes it."""
-    from dsa.quality.teacher import attention_probs
-
     wanted, out = set(layers), {}
 
     def observe(i, x, q, k):
@@ -64,8 +68,6 @@ def heldout_kl(teacher, indexers, batches, cos, sin, *, until=None, clock=time.p
     """The warm-up KL per layer on each fixed held-out ``(ids, queries)`` batch (exact logits), in order:
     ``[{layer: kl}]``. With ``until`` (a ``clock()`` time) a batch starts only while the mean time of
     those before it still fits, and one that passes it is abandoned between layers: fewer rows then."""
-    from dsa.quality.selection import indexer_logits, warmup_kl
-
     rows, t0 = [], clock()
     with torch.no_grad(), tqdm(total=len(batches), desc=desc, unit="window", disable=not progress) as bar:
         for ids, queries in batches:
@@ -95,10 +97,6 @@ def fit(teacher, layers, streams, heldout_batches, *, heads=4, context=8192, que
     at the budget. A window or step whose teacher pass outlasts its phase is abandoned between two
     layers, so no phase overruns by more than one layer's pass and the step after it (the backward).
     Before and after are reported on the windows both evaluated."""
-    from dsa.indexer import LightningIndexer
-    from dsa.quality.corpus import sample_window
-    from dsa.quality.selection import indexer_config, indexer_logits, rope_tables, warmup_kl
-
     start = clock()
     end = None if max_seconds is None else start + max_seconds
     device = teacher.device
@@ -154,8 +152,6 @@ def plot_curve(record: dict, out_dir: str, title: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from dsa.bench.plot import save_figure
 
     curve = record["curve"]
     steps = [c["step"] for c in curve]

@@ -19,8 +19,9 @@ from collections import defaultdict
 import torch
 
 from dsa.quality.choices import TASKS
+from dsa.quality.sequences import PASSKEY, QUESTION as PASSKEY_QUESTION
 from dsa.quality.sparse_loss import fitted_rule, oracle_rule, sink_recent_rule
-from dsa.quality.teacher_recall import PASSKEY, QUESTION as PASSKEY_QUESTION
+from dsa.report import save_figure
 
 FIGURE = "needle_accuracy.png"  # what plot() writes
 KINDS = ("number", "word", "uuid")
@@ -203,8 +204,6 @@ def plot(result: dict, out_dir: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from dsa.bench.plot import save_figure
 
     a, s = result["args"], result["summary"]
     tasks = a["tasks"]

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from dsa.config import layer_runs_indexer
+from dsa.report import save_figure
 
 FIGURES = ("recall_by_layer.png", "recall_by_position.png", "recall_by_k.png")  # what plot() writes
 
@@ -76,7 +77,7 @@ def attention_mass(attn, x, rot, queries, chunk: int = 8) -> torch.Tensor:
 def measure(model, ids: torch.Tensor, ks: list, num_queries: int, seed: int, progress: bool = True) -> dict:
     cfg = model.config
     if cfg.index_topk is None:
-        raise SystemExit("dsa recall: the model has no indexer (index_topk is None)")
+        raise ValueError("the model has no indexer (index_topk is None)")
     s = ids.numel()
     ks = sorted(set(ks) | {cfg.index_topk})  # the model's own k is always reported per layer
     g = torch.Generator().manual_seed(seed)
@@ -145,8 +146,6 @@ def plot(result: dict, out_dir: str) -> list:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from dsa.bench.plot import save_figure
 
     figures = [(FIGURES[0], result["layers"], "layer",
                 dict(xlabel="layer (shaded: reuses an earlier selection)", ylabel="recall",

@@ -1,4 +1,6 @@
-"""``dsa recall --teacher``: how much of a pretrained model's attention fitted lightning indexers select.
+"""How much of a pretrained model's attention fitted lightning indexers select: the scoring behind
+``dsa recall --teacher`` (:mod:`dsa.commands.recall_teacher`; its sequences are
+:mod:`dsa.quality.sequences`, its tables and figures :mod:`dsa.quality.teacher_report`).
 
 On held-out text, for every layer and every ``k``, the share of the layer's true attention (averaged over
 heads) that falls on
@@ -16,56 +18,29 @@ earlier one's selection, every 1/2/4 layers); exact-target hits (the source of a
 span, the digits of a pass key hidden in prose: is the position the query must copy from selected);
 optionally (``--sparse-loss``) the teacher's loss with every layer restricted to the selections.
 """
-import json
-import os
-import platform
-import time
 from collections import defaultdict
 
 import torch
 from tqdm import tqdm
 
-from dsa.quality.choices import TEACHER_PRESETS
+from dsa.indexer import LightningIndexer
+from dsa.quality.fit import sample_queries
+from dsa.quality.selection import (
+    agreement,
+    hits,
+    indexer_config,
+    indexer_logits,
+    mass,
+    oracle,
+    reuse_source,
+    rope_tables,
+    select,
+    sink_recent,
+)
+from dsa.quality.teacher import attention_probs
 
 METHODS = ("fitted_fp8", "fitted_exact", "oracle", "sink_recent", "untrained")
 PATTERNS = (1, 2, 4)
-FILES = ("quality.json", "quality_by_layer.png", "quality_by_k.png", "sparse_loss.png")  # what run() writes
-PASSKEY = " The pass key is {key}. Remember it. "
-QUESTION = " What is the pass key? The pass key is {key}"
-
-
-# ---- evaluation sequences ---------------------------------------------------------------------
-def copy_sequence(prose: torch.Tensor, span: int, vocab: int, g: torch.Generator):
-    """Prose with one random-token span at T/4 and again at the end. The query at the j-th token of the
-    second copy must copy the token after the j-th of the first: ``(ids, queries, targets)``."""
-    t = prose.numel()
-    ids = prose.clone()
-    tokens = torch.randint(17, vocab, (span,), generator=g)  # ids 0-16 are SmolLM2's control tokens
-    a, b = t // 4, t - span - 8
-    ids[a:a + span] = tokens
-    ids[b:b + span] = tokens
-    return ids, torch.arange(b, b + span - 1), torch.arange(a + 1, a + span)
-
-
-def _digit_tokens(tokenizer, text: str, key: str) -> tuple:
-    enc = tokenizer.encode(text)
-    start = text.index(key)
-    pos = [next(j for j, (s, e) in enumerate(enc.offsets) if s <= start + d < e) for d in range(len(key))]
-    return enc.ids, pos
-
-
-def passkey_sequence(prose: torch.Tensor, tokenizer, g: torch.Generator):
-    """A 5-digit pass key stated once at a random depth of the prose and asked for at the end. The query
-    before each digit of the answer must copy that digit from the statement: ``(ids, queries, targets)``."""
-    key = "".join(str(int(d)) for d in torch.randint(0, 10, (5,), generator=g))
-    hidden, hidden_pos = _digit_tokens(tokenizer, PASSKEY.format(key=key), key)
-    question, answer_pos = _digit_tokens(tokenizer, QUESTION.format(key=key), key)
-    t = prose.numel()
-    fill = t - len(hidden) - len(question)
-    depth = int(fill * (0.1 + 0.6 * float(torch.rand((), generator=g))))
-    ids = torch.cat((prose[:depth], torch.tensor(hidden), prose[depth:fill], torch.tensor(question)))
-    q0 = fill + len(hidden)  # where the question starts
-    return ids, torch.tensor([q0 + p - 1 for p in answer_pos]), torch.tensor([depth + p for p in hidden_pos])
 
 
 # ---- accumulation -------------------------------------------------------------------------------
@@ -87,9 +62,6 @@ def score(teacher, ids, queries, ks, ev, tally: Tally, targets=None, kind="prose
     ``ev``: ``fitted_fp8`` / ``fitted_exact`` / ``untrained`` ``{layer: indexer}``, ``sources``
     ``{pattern: {layer: source layer}}``, ``layers`` (reported), ``cos``, ``sin``.
     """
-    from dsa.quality.selection import agreement, hits, indexer_logits, mass, oracle, select, sink_recent
-    from dsa.quality.teacher import attention_probs
-
     queries = queries.to(teacher.device)
     targets = None if targets is None else targets.to(teacher.device)
     fp8_logits = {}
@@ -132,6 +104,38 @@ def score(teacher, ids, queries, ks, ev, tally: Tally, targets=None, kind="prose
                     tally.add(("reuse", i, kk, str(f)), mass(p, select(fp8_logits[src[i]][rows], qs, kk)))
 
     teacher.hidden(ids, layers=max(ev["layers"]) + 1, observe=observe)
+
+
+# ---- one run ----------------------------------------------------------------------------------------
+def selectors(teacher, fitted: dict, layers, context: int, seed: int) -> dict:
+    """The ``ev`` of :func:`score`: the ``fitted`` indexers ``{layer: indexer}`` as loaded (``fitted_exact``)
+    and as bfloat16 copies (``fitted_fp8``, the deployed FP8 path), freshly initialized ones on ``layers``
+    (``untrained``, seeded with ``seed``), each skip pattern's reuse sources and RoPE tables of ``context``."""
+    cfg, device = teacher.config, teacher.device
+    fitted_bf16 = {i: LightningIndexer(m.config).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
+                   for i, m in fitted.items()}
+    for i, m in fitted_bf16.items():
+        m.load_state_dict(fitted[i].state_dict())
+    icfg = next(iter(fitted.values())).config
+    torch.manual_seed(seed)
+    untrained = {i: LightningIndexer(indexer_config(cfg, icfg.index_n_heads)).to(device=device, dtype=torch.bfloat16)
+                 .requires_grad_(False) for i in layers}
+    cos, sin = rope_tables(icfg, context, device)
+    return {"fitted_fp8": fitted_bf16, "fitted_exact": fitted, "untrained": untrained, "layers": set(layers),
+            "sources": {f: reuse_source(fitted, f, cfg.num_layers) for f in PATTERNS}, "cos": cos, "sin": sin}
+
+
+def measure(teacher, ev: dict, prose: list, copies: list, passkeys: list, ks, queries: int, low: int,
+            g: torch.Generator) -> Tally:
+    """Every sequence scored into one :class:`Tally`: the ``prose`` windows at ``queries`` positions drawn
+    from ``[low, window)`` with ``g``, then the ``(ids, queries, targets)`` of ``copies`` and ``passkeys``."""
+    tally = Tally()
+    with torch.no_grad():
+        jobs = ([(w, sample_queries(w.numel(), queries, low, g), None, "prose") for w in prose]
+                + [(ids, q, tg, "copy") for ids, q, tg in copies] + [(ids, q, tg, "passkey") for ids, q, tg in passkeys])
+        for ids, q, tg, kind in tqdm(jobs, desc="recall --teacher"):
+            score(teacher, ids, q, ks, ev, tally, targets=tg, kind=kind)
+    return tally
 
 
 # ---- tables ---------------------------------------------------------------------------------------
@@ -204,186 +208,3 @@ def sparse_targets(sparse: dict, target_k: int) -> dict:
     gap = row["fitted"]["1"]["all"] - sparse["dense"]["all"]
     return {"sparse_loss_gap": {"value": gap, "oracle_gap": row["oracle"]["all"] - sparse["dense"]["all"],
                                 "target": "<= 0.05 nats/token", "met": gap <= 0.05}}
-
-
-# ---- plots and text ---------------------------------------------------------------------------------
-LABELS = {"fitted_fp8": "fitted indexer, FP8", "fitted_exact": "fitted indexer, exact", "oracle": "oracle top-k",
-          "sink_recent": "sink + recent", "untrained": "untrained indexer"}
-STYLES = {"fitted_fp8": "o-", "fitted_exact": "x--", "oracle": "s-", "sink_recent": "v:", "untrained": "d:"}
-
-
-def plot(result: dict, out_dir: str) -> list:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from dsa.bench.plot import save_figure
-
-    a, rows, paths = result["args"], result["table"], []
-    k0 = a["target_k"] if a["target_k"] in a["topk"] else a["topk"][len(a["topk"]) // 2]
-    fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    at = [r for r in rows if r["k"] == k0]
-    for m in METHODS:
-        pts = [(r["layer"], r[m]) for r in at if r[m] is not None]
-        if pts:
-            ax.plot(*zip(*pts), STYLES[m], label=LABELS[m], ms=4)
-    ax.set(ylabel="attention mass kept", ylim=(0, 1.02),
-           title=f"{result['teacher']['name']}: top-{k0} of {a['context']} tokens, held-out text")
-    ax.legend(fontsize=8, ncol=2)
-    at64 = [r for r in rows if r["k"] == 64]
-    for kind, style in (("copy", "-"), ("passkey", "--")):
-        for m, color in (("oracle", "C2"), ("fitted_fp8", "C0")):
-            pts = [(r["layer"], r[f"{kind}_hits"][m]) for r in at64 if r[f"{kind}_hits"][m] is not None]
-            if pts:
-                bx.plot(*zip(*pts), style, color=color, marker=".", label=f"{kind} target, {LABELS[m]}")
-    bx.set(xlabel="layer", ylabel="target in the top-64 (share of queries)", ylim=(-0.02, 1.02))
-    if bx.get_legend_handles_labels()[0]:
-        bx.legend(fontsize=8, ncol=2)
-    paths.append(save_figure(fig, out_dir, FILES[1]))
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    by_k = result["summary"]["by_k"]
-    ks = [b["k"] for b in by_k]
-    for m in METHODS:
-        if any(b[m] is not None for b in by_k):
-            ax.plot(ks, [b[m] for b in by_k], STYLES[m], label=LABELS[m])
-    for f in ("2", "4"):
-        ax.plot(ks, [b["skip_pattern"][f] for b in by_k], "-", alpha=0.6, label=f"fitted FP8, indexer every {f} layers")
-    ax.set(xscale="log", xlabel="k (positions kept)", ylabel="attention mass kept (mean over layers)", ylim=(0, 1.02),
-           title=f"selection quality vs k ({a['context']}-token held-out windows)")
-    ax.set_xticks(ks, [str(k) for k in ks])
-    ax.minorticks_off()
-    ax.legend(fontsize=8)
-    paths.append(save_figure(fig, out_dir, FILES[2]))
-
-    sp = result.get("sparse_loss")
-    if sp:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ks = [r["k"] for r in sp["by_k"]]
-        ax.axhline(sp["dense"]["all"], color="k", lw=1, label=f"dense ({sp['dense']['all']:.3f})")
-        ax.plot(ks, [r["oracle"]["all"] for r in sp["by_k"]], "s-", label="oracle top-k")
-        for f in sp["by_k"][0]["fitted"]:
-            ax.plot(ks, [r["fitted"][f]["all"] for r in sp["by_k"]], "o-", label=f"fitted FP8, indexer every {f}")
-        ax.set(xscale="log", xlabel="k (positions each query attends to)", ylabel="held-out loss [nats/token]",
-               title="loss with every layer's attention restricted to top-k")
-        ax.set_xticks(ks, [str(k) for k in ks])
-        ax.minorticks_off()
-        ax.legend(fontsize=8)
-        paths.append(save_figure(fig, out_dir, FILES[3]))
-    return paths
-
-
-def summary_text(result: dict) -> str:
-    a = result["args"]
-    fmt = lambda x: "    -" if x is None else f"{x:5.3f}"  # noqa: E731
-    k0 = a["target_k"] if a["target_k"] in a["topk"] else a["topk"][len(a["topk"]) // 2]
-    lines = [f"{result['teacher']['name']}, {a['context']}-token windows, k = {k0}: attention mass kept",
-             "layer  fp8   exact oracle sink+rec untrained  fp8(no tok0) oracle(no tok0)  fp8~exact  copy@64 passkey@64"]
-    r64 = {r["layer"]: r for r in result["table"] if r["k"] == 64}
-    for r in (r for r in result["table"] if r["k"] == k0):
-        h = r64.get(r["layer"], {})
-        lines.append(f"{r['layer']:5d}  {fmt(r['fitted_fp8'])} {fmt(r['fitted_exact'])} {fmt(r['oracle'])}  "
-                     f"{fmt(r['sink_recent'])}    {fmt(r['untrained'])}     {fmt(r['no_sink']['fitted_fp8'])}"
-                     f"        {fmt(r['no_sink']['oracle'])}       {fmt(r['fp8_vs_exact'])}   "
-                     f"{fmt(h.get('copy_hits', {}).get('fitted_fp8'))}   {fmt(h.get('passkey_hits', {}).get('fitted_fp8'))}")
-    lines.append("mean over layers by k: " + "; ".join(
-        f"k={b['k']}: fp8 {fmt(b['fitted_fp8'])} oracle {fmt(b['oracle'])} sink+recent {fmt(b['sink_recent'])}"
-        for b in result["summary"]["by_k"]))
-    for name, t in result["summary"]["targets"].items():
-        lines.append(f"target {name}: {t['value']:.3f} ({t['target']}) {'met' if t['met'] else 'MISSED'}")
-    return "\n".join(lines)
-
-
-def sparse_text(result: dict) -> str:
-    sp = result["sparse_loss"]
-    lines = [f"held-out loss, nats/token (all tokens / second half): dense {sp['dense']['all']:.4f} / "
-             f"{sp['dense']['second_half']:.4f}"]
-    for r in sp["by_k"]:
-        fitted = "  ".join(f"every {f}: {v['all']:.4f} / {v['second_half']:.4f}" for f, v in r["fitted"].items())
-        lines.append(f"k={r['k']:5d}  oracle {r['oracle']['all']:.4f} / {r['oracle']['second_half']:.4f}  fitted FP8 {fitted}")
-    for name, t in result["summary"]["targets"].items():
-        if name.startswith("sparse"):
-            lines.append(f"target {name}: {t['value']:.4f} ({t['target']}; oracle {t['oracle_gap']:.4f}) "
-                         f"{'met' if t['met'] else 'MISSED'}")
-    return "\n".join(lines)
-
-
-# ---- the command ------------------------------------------------------------------------------------
-def save(result: dict, path: str, t_start: float) -> None:
-    result["seconds"] = round(time.perf_counter() - t_start, 1)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-
-
-def run(args) -> int:
-    from dsa.bench.harness import env_info
-    from dsa.indexer import LightningIndexer
-    from dsa.quality.corpus import read_streams, windows
-    from dsa.quality.fit import parse_layers, sample_queries
-    from dsa.quality.selection import PACKAGED, indexer_config, load_indexers, reuse_source, rope_tables
-    from dsa.quality.sparse_loss import sparse_losses
-    from dsa.quality.teacher import LlamaTeacher
-
-    preset = TEACHER_PRESETS[args.teacher_preset]
-    pick = lambda name: getattr(args, name) if getattr(args, name, None) is not None else preset[name]  # noqa: E731
-    context, n_queries, n_windows = pick("context"), pick("queries"), pick("windows")
-    ks = sorted({int(k) for k in pick("topk").split(",")})
-    if not args.text:
-        raise SystemExit("dsa recall --teacher: give held-out text with --text (benchmarks/quality/fetch_text.py "
-                         "writes some)")
-    t_start = time.perf_counter()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    gguf = None if args.teacher == "smollm2" else args.teacher
-    teacher = LlamaTeacher.from_gguf(gguf, device=device)
-    cfg = teacher.config
-    context = min(context, cfg.context_length)
-    layers = parse_layers(pick("layers"), cfg.num_layers)
-    folder = args.indexers or PACKAGED
-    fitted = load_indexers(folder, cfg, device=device)
-    fitted_bf16 = {i: LightningIndexer(m.config).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
-                   for i, m in fitted.items()}
-    for i, m in fitted_bf16.items():
-        m.load_state_dict(fitted[i].state_dict())
-    heads = next(iter(fitted.values())).config.index_n_heads
-    torch.manual_seed(args.seed)
-    untrained = {i: LightningIndexer(indexer_config(cfg, heads)).to(device=device, dtype=torch.bfloat16)
-                 .requires_grad_(False) for i in layers}
-    icfg = next(iter(fitted.values())).config
-    cos, sin = rope_tables(icfg, context, device)
-    ev = {"fitted_fp8": fitted_bf16, "fitted_exact": fitted, "untrained": untrained, "layers": set(layers),
-          "sources": {f: reuse_source(fitted, f, cfg.num_layers) for f in PATTERNS}, "cos": cos, "sin": sin}
-    streams = read_streams(args.text, teacher.tokenizer, min_tokens=context)
-    g = torch.Generator().manual_seed(args.seed)
-    prose = [(name, w) for name, s in streams.items() for w in windows(s, context, n_windows)]
-    low = int(args.query_from * context)
-    copies = [copy_sequence(prose[j % len(prose)][1], 32, cfg.vocab_size, g) for j in range(pick("copy_seqs"))]
-    keys = [passkey_sequence(prose[j % len(prose)][1], teacher.tokenizer, g) for j in range(pick("passkey_seqs"))]
-    tally = Tally()
-    with torch.no_grad():
-        jobs = ([(w, sample_queries(context, n_queries, low, g), None, "prose") for _, w in prose]
-                + [(ids, q, tg, "copy") for ids, q, tg in copies] + [(ids, q, tg, "passkey") for ids, q, tg in keys])
-        for ids, q, tg, kind in tqdm(jobs, desc="recall --teacher"):
-            score(teacher, ids, q, ks, ev, tally, targets=tg, kind=kind)
-    rows = table(tally, layers, ks)
-    summary = summarize(rows, ks, args.target_k)
-    result = {"args": {**{k: v for k, v in vars(args).items() if k != "func"}, "context": context, "topk": ks,
-                       "layers": layers, "queries": n_queries, "windows": n_windows, "indexers": folder},
-              "env": {**env_info(), "platform": platform.platform()}, "teacher": cfg.__dict__,
-              "texts": {name: int(len(s)) for name, s in streams.items()},
-              "sequences": {"prose": len(prose), "copy": len(copies), "passkey": len(keys)},
-              "table": rows, "summary": summary}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, FILES[0])
-    save(result, path, t_start)  # the recall table stands on its own if the sparse loss is cut short
-    print(summary_text(result), flush=True)
-    if args.sparse_loss:
-        loss_windows = [next(w for n, w in prose if n == name) for name in streams]  # the first window of each text
-        with tqdm(total=1 + len(ks) * (1 + len(PATTERNS)), desc="sparse loss") as bar:
-            result["sparse_loss"] = sparse_losses(teacher, loss_windows, fitted_bf16, ks, list(PATTERNS), cos, sin, bar)
-        result["sparse_loss"]["windows"] = [f"{name}: first {context} tokens" for name in streams]
-        summary["targets"].update(sparse_targets(result["sparse_loss"], args.target_k))
-        save(result, path, t_start)
-        print(sparse_text(result), flush=True)
-    plots = plot(result, args.out)
-    print(f"wrote {path} and {', '.join(os.path.basename(p) for p in plots)}")
-    return 0
