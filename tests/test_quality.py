@@ -169,13 +169,34 @@ def test_fp8_logits_track_exact(tiny):
 
 
 def test_indexer_files_round_trip(tiny, tmp_path):
+    """``wq_b`` and ``wk`` are stored as FP8 blocks (dequantized on load, as the model loader does), the rest
+    in bf16; a file of bf16 weights (the earlier format) loads as it is."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from dsa.model.loading import dequantize_fp8_block, quantize_fp8_block
+
     teacher = tiny[2]
     idx = LightningIndexer(indexer_config(teacher.config, 2))
     save_indexer(idx, 1, str(tmp_path), {"teacher": "tiny"})
+    with safe_open(str(tmp_path / "layer_01.safetensors"), "pt") as f:
+        dtypes = {k: f.get_tensor(k).dtype for k in f.keys()}
+    assert dtypes["wq_b.weight"] == dtypes["wk.weight"] == torch.float8_e4m3fn, dtypes
+    assert dtypes["weights_proj.weight"] == torch.bfloat16 and "wq_b.weight_scale_inv" in dtypes
     loaded = load_indexers(str(tmp_path), teacher.config)
     assert list(loaded) == [1]
     for name, v in idx.state_dict().items():
-        assert torch.equal(loaded[1].state_dict()[name], v.to(torch.bfloat16).float()), name
+        want = dequantize_fp8_block(*quantize_fp8_block(v)) if name in ("wq_b.weight", "wk.weight") else \
+            v.to(torch.bfloat16).float()
+        assert torch.equal(loaded[1].state_dict()[name], want), name
+    (tmp_path / "bf16").mkdir()
+    with safe_open(str(tmp_path / "layer_01.safetensors"), "pt") as f:
+        meta = f.metadata()
+    save_file({k: v.to(torch.bfloat16) for k, v in idx.state_dict().items()}, str(tmp_path / "bf16" / "layer_01.safetensors"),
+              metadata=meta)
+    old = load_indexers(str(tmp_path / "bf16"), teacher.config)
+    for name, v in idx.state_dict().items():
+        assert torch.equal(old[1].state_dict()[name], v.to(torch.bfloat16).float()), name
     with pytest.raises(FileNotFoundError, match="no folder"):
         load_indexers(str(tmp_path / "missing"), teacher.config)
     (tmp_path / "empty").mkdir()

@@ -158,9 +158,9 @@ def test_mtp_loss_trains_the_mtp_module_and_the_model():
 
 @pytest.mark.parametrize("shape", [(256, 384), (576, 384), (8, 384), (130, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_fp8_block_quantization_round_trips_through_the_loader(shape):
-    from dsa.model.loading import dequantize_fp8_block
+    from dsa.model.loading import dequantize_fp8_block, quantize_fp8_block
     w = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 1, shape[1])
-    w8, scale_inv = T.quantize_fp8_block(w)
+    w8, scale_inv = quantize_fp8_block(w)
     assert w8.dtype == torch.float8_e4m3fn and scale_inv.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
     back = dequantize_fp8_block(w8, scale_inv)
     err = ((back - w).abs() / w.abs().clamp_min(1e-6)).median()

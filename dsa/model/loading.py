@@ -17,6 +17,7 @@ import os
 import re
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
 from dsa.config import DSAConfig, read_json_object
@@ -57,6 +58,18 @@ def dequantize_fp8_block(w8: torch.Tensor, scale_inv: torch.Tensor, part: tuple 
     rows, cols = (part + (slice(None),) * 2)[:2]
     s = s[_offset(rows, w8.shape[0]), _offset(cols, w8.shape[1])]
     return w8.float() * s
+
+
+def quantize_fp8_block(w: torch.Tensor) -> tuple:
+    """``w [N, K]`` -> ``(w8 [N, K] e4m3, scale_inv [ceil(N/128), ceil(K/128)] fp32)`` with ``w ~ w8 *
+    scale_inv`` per 128 x 128 block (DeepSeek-V3's block format; each block's largest magnitude maps to 448)."""
+    n, k = w.shape
+    rb, cb = cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK)
+    padded = F.pad(w.float(), (0, cb * FP8_BLOCK - k, 0, rb * FP8_BLOCK - n))
+    blocks = padded.view(rb, FP8_BLOCK, cb, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    w8 = (blocks / scale[:, None, :, None]).view(rb * FP8_BLOCK, cb * FP8_BLOCK)[:n, :k]
+    return w8.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
 def _offset(ix: slice, n: int) -> slice:

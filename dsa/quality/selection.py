@@ -13,6 +13,7 @@ import torch
 from dsa.config import DSAConfig, layer_runs_indexer
 from dsa.indexer import LightningIndexer
 from dsa.kernels import rope_at, topk_indices, yarn_cos_sin
+from dsa.model.loading import SCALE_SUFFIX, dequantize_fp8_block, quantize_fp8_block
 from dsa.quality.teacher import selection_mask
 
 SINK = 4  # sink + recent keeps tokens 0..3 and the last k - 4
@@ -134,14 +135,25 @@ def indexer_file(layer: int) -> str:
     return f"layer_{layer:02d}.safetensors"
 
 
+FP8_WEIGHTS = ("wq_b.weight", "wk.weight")  # stored as FP8 blocks; weights_proj and k_norm in bf16, as in V3.2
+
+
 def save_indexer(indexer: LightningIndexer, layer: int, out_dir: str, meta: dict) -> str:
-    """``layer_XX.safetensors``: the indexer's state dict in bfloat16, its shape in the metadata."""
+    """``layer_XX.safetensors``: the indexer's state dict, ``wq_b`` and ``wk`` as FP8 e4m3 128 x 128 blocks
+    with their ``weight_scale_inv`` (V3.2's checkpoint format, half the bytes of bf16), the rest in
+    bfloat16; its shape in the metadata."""
     from safetensors.torch import save_file
 
     c = indexer.config
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, indexer_file(layer))
-    tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in indexer.state_dict().items()}
+    tensors = {}
+    for k, v in indexer.state_dict().items():
+        v = v.detach().cpu()
+        if k in FP8_WEIGHTS:
+            tensors[k], tensors[k + SCALE_SUFFIX] = quantize_fp8_block(v)
+        else:
+            tensors[k] = v.to(torch.bfloat16).contiguous()
     info = {"layer": layer, "hidden_size": c.hidden_size, "index_n_heads": c.index_n_heads,
             "index_head_dim": c.index_head_dim, "qk_rope_head_dim": c.qk_rope_head_dim, "rope_theta": c.rope_theta,
             "num_hidden_layers": c.num_hidden_layers, **meta}
@@ -150,7 +162,8 @@ def save_indexer(indexer: LightningIndexer, layer: int, out_dir: str, meta: dict
 
 
 def load_indexers(folder: str, teacher_config, device=None, dtype=torch.float32, layers=None) -> dict:
-    """``{layer: LightningIndexer}`` from a folder of ``layer_XX.safetensors`` written by ``save_indexer``."""
+    """``{layer: LightningIndexer}`` from a folder of ``layer_XX.safetensors`` written by ``save_indexer``
+    (FP8 block weights dequantized; files of bf16 weights load too)."""
     from safetensors import safe_open
 
     if not os.path.isdir(folder):
@@ -161,7 +174,9 @@ def load_indexers(folder: str, teacher_config, device=None, dtype=torch.float32,
             continue
         with safe_open(os.path.join(folder, name), "pt") as f:
             meta = {k: json.loads(v) for k, v in f.metadata().items()}
-            state = {k: f.get_tensor(k) for k in f.keys()}
+            raw = {k: f.get_tensor(k) for k in f.keys()}
+        state = {k: dequantize_fp8_block(v, raw[k + SCALE_SUFFIX]) if k + SCALE_SUFFIX in raw else v
+                 for k, v in raw.items() if not k.endswith(SCALE_SUFFIX)}  # FP8 blocks, or bf16 files as before
         layer = int(meta["layer"])
         if layers is not None and layer not in layers:
             continue

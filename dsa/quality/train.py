@@ -41,6 +41,7 @@ from torch import nn
 from dsa.config import DSAConfig
 from dsa.kernels.indexer_query_prep import weight_scale
 from dsa.model.layers import RMSNorm
+from dsa.model.loading import FP8_BLOCK, quantize_fp8_block
 from dsa.quality.selection import selected_set_kl, warmup_kl
 
 STAGES = ("dense", "warmup", "sparse")
@@ -358,21 +359,6 @@ def autocast_ctx(device, dtype):
 
 
 # ---- export: the DeepSeek-V3.2 HF layout -----------------------------------------------------
-FP8_BLOCK = 128
-
-
-def quantize_fp8_block(w: torch.Tensor) -> tuple:
-    """``w [N, K]`` -> ``(w8 [N, K] e4m3, scale_inv [ceil(N/128), ceil(K/128)] fp32)`` with ``w ~ w8 *
-    scale_inv`` per 128 x 128 block (DeepSeek-V3's block format; each block's largest magnitude maps to 448)."""
-    n, k = w.shape
-    rb, cb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-    padded = F.pad(w.float(), (0, cb * FP8_BLOCK - k, 0, rb * FP8_BLOCK - n))
-    blocks = padded.view(rb, FP8_BLOCK, cb, FP8_BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
-    w8 = (blocks / scale[:, None, :, None]).view(rb * FP8_BLOCK, cb * FP8_BLOCK)[:n, :k]
-    return w8.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
-
-
 def _fp8_target(name: str, t: torch.Tensor) -> bool:
     """A decoder layer's or the MTP module's 2-D weight (a projection) whose both sides are whole 128-blocks
     (transformers' dequantizer needs them whole); not the embedding, the head or the norms."""
