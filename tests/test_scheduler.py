@@ -174,6 +174,28 @@ def test_rows_of_requests_that_left_are_freed(seed):
     assert engine.stats.preemptions > 0
 
 
+def test_a_request_run_as_prefilled_starts_with_its_last_token():
+    """run_as_prefilled (the engine benchmark's stand-in prefill): blocks for all its tokens, its
+    first step one decode row; with the cache rows written as a prefill would have, its tokens are
+    the prefilled request's."""
+    engine = Engine(StubModel(), num_blocks=16, prefix_caching=False)
+    prompts = [prompt(40, 1, VOCAB), prompt(17, 2, VOCAB)]
+    rids = [engine.add_request(p, 6) for p in prompts]
+    s, p = engine.scheduler, 16
+    for req, ids in zip(list(s.waiting), prompts):
+        s.run_as_prefilled(req)
+        assert req.computed == len(ids) - 1 and len(req.blocks) == -(-len(ids) // p)
+        for pos, tok in enumerate(ids[:-1]):  # the stand-in rows: what the prompt's prefill writes
+            engine.caches.tokens[req.blocks[pos // p] * p + pos % p] = tok
+    assert not s.waiting
+    out = {r: [] for r in rids}
+    while engine.has_work():
+        for rid, toks in engine.step().items():
+            out[rid] += toks
+    assert [out[r] for r in rids] == [reference(q, 6) for q in prompts]
+    assert engine.stats.tokens == 2 * 6 and engine.stats.prefill_chunks == 0  # decode rows only
+
+
 FIELDS = ("tokens", "blocks", "block_names", "chain", "computed", "num_preemptions")
 MUTATORS = ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__", "__delitem__",
             "__iadd__", "__imul__")
