@@ -1,5 +1,5 @@
 """Host memory of a step's pinned copies: a buffer pinned anew each step (what the runner and the
-sampler did until wave 3's end) against dsa.model.staging.PinnedBuffers, on a CUDA device.
+sampler did until wave 3's end) against dsa.engine.staging.PinnedBuffers, on a CUDA device.
 
 Each of ``--steps`` steps uploads an int32 plan of a random size (serving-like: mostly small decode
 plans, sometimes a prefill chunk's), runs a little GPU work that reads it, and copies a float64
@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import torch
 
-from dsa.model.staging import PinnedBuffers
+from dsa.engine.staging import PinnedBuffers
 
 
 def rss_mib() -> float:

@@ -16,7 +16,7 @@
 #      bench-layer DSA ops, base and new (after g, which installs the base)
 #   c: the prefill chunk budget (issue #25 item 5): for --max-batch-tokens 2048, 4096, 8192, 16384 a warm
 #      server, 64 x 8K (all done, TTFT) and 32 requests of 1K-16K prompts with 256 new tokens (TTFT, ITL)
-#   p: host memory of the step's pinned copies, pinned anew per step against dsa.model.staging (issue #26)
+#   p: host memory of the step's pinned copies, pinned anew per step against dsa.engine.staging (issue #26)
 #   g: speed guards: bench layer and bench engine (--quick) of .base (the branch point, unpacked by the
 #      caller from `git archive f0020de`) and of this tree, in the same run
 # Wheels of the serve extra: .whl (see the device README); every part bounded by a timeout.

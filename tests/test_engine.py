@@ -1,12 +1,16 @@
-"""The engine: paths that ran, chunked prefill, batching invariance, greedy = full forward, isolation."""
+"""The engine: paths that ran, chunked prefill, batching invariance, greedy = full forward, isolation,
+requests checked once."""
 import dataclasses
 
 import pytest
 import torch
 
+import dsa.engine.engine
 import dsa.model.attention
-from dsa import Engine
+from dsa import Engine, SamplingParams
+from dsa.engine.engine import CheckedPrompt
 from tests.model_utils import prompt, tiny_model
+from tests.stub_model import VOCAB, StubModel, reference
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,7 @@ def test_paths_and_chunks(model):
     assert rows["dense_prefill_mha"] + rows["dense_prefill_absorbed"] == 16 + 5
     # every decode row runs top-k + the sparse kernel (prompt 2's S <= 16: its top-k is every position)
     assert rows["sparse_decode"] == 6 and rows["dense_decode"] == 0
-    assert engine.stats.blocks_in_use == 0 and engine.allocator.num_free == 32
+    assert engine.stats.blocks_in_use == 0 and engine.scheduler.blocks.num_free == 32
 
 
 def test_skip_layers_attend_with_the_reused_selection(model, monkeypatch):
@@ -147,3 +151,32 @@ def test_warmup_runs_every_step_kind_and_changes_no_tokens(model):
     with pytest.raises(RuntimeError, match="warmup: call it before"):
         warm.add_request(prompt(3, 1), 2)
         warm.warmup(progress=False)
+
+
+def test_a_checked_prompt_is_added_as_it_is(monkeypatch):
+    """check_request's record goes into add_request without a second check (a server checks in its
+    handler, then its loop thread adds); raw ids are still checked; a record of other limits or
+    with another sampling is refused."""
+    engine = Engine(StubModel(), num_blocks=8)
+    sp = SamplingParams(max_tokens=3, temperature=0)
+    p = prompt(10, 5, VOCAB)
+    checked = engine.check_request(p, sp)
+    assert isinstance(checked, CheckedPrompt) and list(checked.ids) == p and len(checked) == 10
+    calls = []
+    real = dsa.engine.engine.token_ids
+    monkeypatch.setattr(dsa.engine.engine, "token_ids", lambda *a: calls.append(a) or real(*a))
+    rid = engine.add_request(checked, sampling=sp)
+    assert calls == [], calls
+    other = engine.add_request(p, 3)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="^sampling: differs"):
+        engine.add_request(checked, sampling=SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="^max_new_tokens"):
+        engine.add_request(checked, 5)
+    with pytest.raises(ValueError, match="^prompt_ids: checked by an engine with other limits"):
+        Engine(StubModel(), num_blocks=4).add_request(checked)
+    out = {}
+    while engine.has_work():
+        for r, toks in engine.step().items():
+            out.setdefault(r, []).extend(toks)
+    assert out[rid] == out[other] == reference(p, 3)

@@ -110,7 +110,7 @@ def test_stop_tokens_and_eos_finish_with_stop(model):
     assert engine.generate([p(15, 9)], 12)[0] == base[:first + 1]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert engine.generate([p(15, 9)], sampling=sp)[0] == base
-    assert engine.allocator.num_free == engine.num_blocks
+    assert engine.scheduler.blocks.num_free == engine.num_blocks
 
 
 def test_abort_frees_blocks_of_running_and_waiting_requests(model):
@@ -120,8 +120,8 @@ def test_abort_frees_blocks_of_running_and_waiting_requests(model):
     b = engine.add_request(p(20, 11), 8, on_output=seen.append)
     engine.step()
     assert a in engine.running and [r.rid for r in engine.waiting] == [b]
-    assert engine.abort(b) and not engine.waiting and engine.allocator.num_free == 0
-    assert engine.abort(a) and not engine.running and engine.allocator.num_free == 3
+    assert engine.abort(b) and not engine.waiting and engine.scheduler.blocks.num_free == 0
+    assert engine.abort(a) and not engine.running and engine.scheduler.blocks.num_free == 3
     assert engine.stats.blocks_in_use == 0
     assert not engine.abort(a) and not engine.abort(12345)
     assert [d.finish_reason for d in seen if d.request_id == b] == ["abort"]
@@ -133,9 +133,9 @@ def test_leaving_a_stream_early_aborts_its_requests(model):
     engine = engine_for(model, num_blocks=8)
     stream = engine.stream([p(20, 12), p(9, 13)], sampling=SamplingParams(max_tokens=10, temperature=0))
     next(stream)
-    assert engine.allocator.num_free < 8
+    assert engine.scheduler.blocks.num_free < 8
     stream.close()
-    assert engine.allocator.num_free == 8 and not engine.has_work()
+    assert engine.scheduler.blocks.num_free == 8 and not engine.has_work()
 
 
 def test_two_threads_on_one_engine(model):
@@ -159,14 +159,14 @@ def test_two_threads_on_one_engine(model):
     for t in threads:
         t.join(timeout=120)
     assert not errors and results == expected
-    assert engine.allocator.num_free == 20 and not engine.has_work()
+    assert engine.scheduler.blocks.num_free == 20 and not engine.has_work()
 
 
 def test_a_failing_generate_leaves_the_pool_full(model, monkeypatch):
     engine = engine_for(model, num_blocks=10)
     with pytest.raises(ValueError, match="blocks"):  # the second prompt never fits: the first is withdrawn
         engine.generate([p(10, 19), p(200, 20)], 4)
-    assert not engine.has_work() and engine.allocator.num_free == 10
+    assert not engine.has_work() and engine.scheduler.blocks.num_free == 10
     calls = {"n": 0}
     real = engine.runner.run
 
@@ -179,7 +179,7 @@ def test_a_failing_generate_leaves_the_pool_full(model, monkeypatch):
     monkeypatch.setattr(engine.runner, "run", flaky)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.generate([p(10, 21), p(40, 22)], 6)
-    assert not engine.has_work() and engine.allocator.num_free == 10
+    assert not engine.has_work() and engine.scheduler.blocks.num_free == 10
     assert len(engine.generate([p(10, 21)], 6)[0]) == 6
 
 

@@ -36,8 +36,8 @@ def test_replay_is_bitwise_the_eager_step_at_the_same_padded_shapes(model):
     assert engine.runner.use_graphs
     for _ in range(3):  # the first step captures, the next ones replay
         batch = engine.scheduler.schedule()
-        q, c = batch.num_rows, [r.computed for r in batch.requests]
-        tables, ids = [r.blocks for r in batch.requests], [r.tokens[r.computed] for r in batch.requests]
+        q, c, reqs = batch.num_rows, batch.computed, [s.request for s in batch.sampled]  # every decode row samples
+        tables, ids = [r.blocks for r in reqs], [r.tokens[n] for r, n in zip(reqs, c)]
         rows, ctx = batch_bucket(len(q)), context_bucket(max(c) + 1, model.config.block_size)
         host = HostPlan.pack(q, c, tables, model.config.block_size, "cuda", input_ids=ids, num_rows=rows,
                              max_seq_len=ctx, num_block_columns=ctx // model.config.block_size,
@@ -45,9 +45,7 @@ def test_replay_is_bitwise_the_eager_step_at_the_same_padded_shapes(model):
         eager = model.step(host.derive(host.upload()), engine.caches)[:len(q)].clone()  # writes the same rows
         result = engine.runner.run(batch)
         assert result.graph and torch.equal(result.logits, eager)
-        for req, tok in zip(batch.requests, result.logits.argmax(-1).tolist()):
-            req.computed += 1
-            req.tokens.append(tok)
+        engine.scheduler.update([(s, tok, False) for s, tok in zip(batch.sampled, result.logits.argmax(-1).tolist())])
 
 
 def _run_without_sync(engine, batch):
@@ -95,7 +93,7 @@ def test_warmup_captures_every_decode_bucket_and_later_steps_only_replay(model):
     engine = Engine(model, num_blocks=16, max_batch_tokens=64, cuda_graphs=True)
     report = engine.warmup(progress=False)
     # contexts up to the pool's 256 tokens: one bucket; batch buckets 1 .. 16 (16 blocks)
-    assert report["graphs_captured"] == len(engine.runner.graphs) == 5 and engine.allocator.num_free == 16
+    assert report["graphs_captured"] == len(engine.runner.graphs) == 5 and engine.scheduler.blocks.num_free == 16
     captured = dict(engine.runner.graphs)
     out = engine.generate([_prompts()[0]], 5)[0]
     assert len(out) == 5 and engine.stats.graph_steps == 4 and engine.runner.graphs == captured

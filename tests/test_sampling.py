@@ -13,15 +13,29 @@ def _logits(probs=PROBS, rows=1):
     return torch.tensor(probs, dtype=torch.float32).log().expand(rows, -1).contiguous()
 
 
-@pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("max_tokens", 1.5), ("max_tokens", True), ("temperature", -0.1),
-    ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.1), ("top_k", -2), ("top_k", 2.0),
-    ("min_p", -0.1), ("min_p", 1.5), ("seed", 1.0), ("stop", ""), ("stop", [1]), ("stop", [""]),
-    ("stop_token_ids", [-1]), ("stop_token_ids", "3"), ("ignore_eos", 1), ("logprobs", -1), ("logprobs", 21),
-], ids=lambda x: str(x))
-def test_invalid_values_name_the_field(field, value):
-    with pytest.raises(ValueError, match=f"^{field}:"):
+@pytest.mark.parametrize("field,value,error", [
+    ("max_tokens", 0, ValueError), ("max_tokens", 1.5, TypeError), ("max_tokens", True, TypeError),
+    ("temperature", -0.1, ValueError), ("temperature", float("nan"), ValueError), ("temperature", "hot", TypeError),
+    ("top_p", 0.0, ValueError), ("top_p", 1.1, ValueError), ("top_k", -2, ValueError), ("top_k", 2.0, TypeError),
+    ("min_p", -0.1, ValueError), ("min_p", 1.5, ValueError), ("seed", 1.0, TypeError), ("stop", "", ValueError),
+    ("stop", [1], ValueError), ("stop", [""], ValueError), ("stop_token_ids", [-1], ValueError),
+    ("stop_token_ids", [1.0], TypeError), ("stop_token_ids", "3", ValueError), ("ignore_eos", 1, TypeError),
+    ("logprobs", -1, ValueError), ("logprobs", 21, ValueError), ("logprobs", 2.0, TypeError),
+], ids=lambda x: x.__name__ if isinstance(x, type) else str(x))
+def test_invalid_values_name_the_field(field, value, error):
+    """The shared checks (dsa.kernels.common.check_int / check_real): TypeError for a value of the
+    wrong type, ValueError for one out of range; the message starts with the field."""
+    with pytest.raises(error, match=f"^{field}:"):
         SamplingParams(**{field: value})
+
+
+def test_values_are_stored_as_plain_numbers():
+    import numpy as np
+
+    sp = SamplingParams(max_tokens=np.int64(3), temperature=1, top_k=np.int32(-1), stop_token_ids=[np.int64(4)],
+                        logprobs=np.int64(2), seed=np.uint8(7))
+    assert [type(v) for v in (sp.max_tokens, sp.temperature, sp.top_k, sp.stop_token_ids[0], sp.logprobs, sp.seed)] \
+        == [int, float, int, int, int, int] and sp.top_k == 0 and sp.stop_token_ids == (4,)
 
 
 def test_normalized_values():

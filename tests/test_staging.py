@@ -1,4 +1,4 @@
-"""Persistent pinned buffers (dsa.model.staging): a buffer is never handed out while its holder has it
+"""Persistent pinned buffers (dsa.engine.staging): a buffer is never handed out while its holder has it
 or while the copy recorded at its return may still run; a stream of steps of changing sizes uses a
 few buffers that only grow; the plan uploaded through them equals the plan uploaded directly.
 (CPU: unpinned buffers and a fake event that says when it was waited on; the GPU tests run the
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from dsa.engine.staging import MAX_SLOTS, PinnedBuffers
 from dsa.model.plan import HostPlan
-from dsa.model.staging import MAX_SLOTS, PinnedBuffers
 
 WAITED = []  # the FakeEvents waited on, in order
 

@@ -77,15 +77,11 @@ def decoding_engine(model, b: int, s: int, g: torch.Generator) -> Engine:
     fill_caches(engine, g)
     for i in range(b):
         tokens = torch.randint(0, model.config.vocab_size, (s,), generator=torch.Generator().manual_seed(i))
-        engine.add_request(tokens.tolist(), sampling=SamplingParams(max_tokens=steps, ignore_eos=True))  # greedy
+        engine.add_request(tokens.tolist() + [0],  # 0: its first token; greedy
+                           sampling=SamplingParams(max_tokens=steps - 1, ignore_eos=True))
     sched = engine.scheduler
     while sched.waiting:  # as if prefilled: the random cache rows stand for the prompt
-        req = sched.waiting.popleft()
-        sched.blocks.allocate(req)
-        sched.blocks.grow(req, s + 1)
-        sched.running[req.rid] = req
-        req.computed = s
-        req.tokens.append(0)  # its first token
+        sched.run_as_prefilled(sched.waiting[0])
     return engine
 
 

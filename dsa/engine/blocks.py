@@ -17,6 +17,9 @@ is preempted (:meth:`free`). The names of the full blocks a running request will
 *in flight* until computed: :meth:`in_flight_prefix` tells the scheduler that a waiting request
 would compute them again, so it waits for them instead.
 
+The manager reads a request's fields and never writes them: each method returns what changed
+(the blocks taken, the names given), and the scheduler, the one writer of a request, stores it.
+
 Free blocks are a stack (allocate and free are O(1) per block; a fresh pool hands out the lowest
 ids first).
 """
@@ -73,22 +76,23 @@ class BlockManager:
     def _name(self, previous: bytes, tokens: np.ndarray) -> bytes:
         return hashlib.sha256(previous + tokens.tobytes()).digest()
 
-    def chain(self, req) -> list:
-        """Names of the full blocks of ``req``'s tokens before its last one (hashed once per admission)."""
-        if req.chain is None:
-            p, previous, names = self.block_size, self.seed, []
-            full = (len(req.tokens) - 1) // p
-            ids = np.asarray(req.tokens[:full * p], dtype=np.int64)  # one conversion, then a view per block
-            for i in range(full):
-                previous = self._name(previous, ids[i * p:(i + 1) * p])
-                names.append(previous)
-            req.chain = names
-        return req.chain
+    def chain(self, tokens: list) -> list:
+        """Names of the full blocks of ``tokens`` before the last one (a request hashes its tokens
+        once per admission: the scheduler keeps them as ``req.chain``); none without prefix caching."""
+        if not self.prefix_caching:
+            return []
+        p, previous, names = self.block_size, self.seed, []
+        full = (len(tokens) - 1) // p
+        ids = np.asarray(tokens[:full * p], dtype=np.int64)  # one conversion, then a view per block
+        for i in range(full):
+            previous = self._name(previous, ids[i * p:(i + 1) * p])
+            names.append(previous)
+        return names
 
     def _cached_prefix(self, req) -> list:
         """Blocks of the longest cached run of full blocks starting ``req``'s tokens."""
         blocks = []
-        for name in self.chain(req):
+        for name in req.chain:
             block = self.by_name.get(name)
             if block is None:
                 break
@@ -100,22 +104,21 @@ class BlockManager:
         running request (then ``req`` had better wait for it than compute it again)."""
         if not self.prefix_caching:
             return False
-        chain = self.chain(req)
         hit = len(self._cached_prefix(req))
-        return hit < len(chain) and self.in_flight.get(chain[hit], req.rid) != req.rid
+        return hit < len(req.chain) and self.in_flight.get(req.chain[hit], req.rid) != req.rid
 
-    def allocate(self, req) -> None:
-        """Start ``req`` on its cached prefix: ``req.blocks`` (the cached blocks, held),
-        ``req.block_names`` and ``req.computed`` (the reused tokens); its other full blocks become
-        in flight. :meth:`grow` adds blocks for the rows it computes."""
+    def allocate(self, req) -> list:
+        """Start ``req`` (no blocks yet) on its cached prefix: returns the cached blocks, now held
+        (they cover ``len * block_size`` of its tokens, named ``req.chain[:len]``); its other full
+        blocks become in flight. :meth:`grow` gives blocks for the rows it computes."""
         hit = self._cached_prefix(req) if self.prefix_caching else []
         for b in hit:
             self.refs[b] = self.refs.get(b, 0) + 1
             self.evictable.pop(b, None)
-        req.blocks, req.block_names, req.computed = hit, list(self.chain(req)[:len(hit)]), len(hit) * self.block_size
         if self.prefix_caching:
-            for name in self.chain(req)[len(hit):]:
+            for name in req.chain[len(hit):]:
                 self.in_flight.setdefault(name, req.rid)
+        return hit
 
     def count_admission(self, req) -> None:
         """Prefix-cache statistics of an admitted request (its first admission only)."""
@@ -123,13 +126,13 @@ class BlockManager:
             self._stats.prompt_tokens += req.prompt_len
             self._stats.hit_tokens += req.computed
 
-    def grow(self, req, num_tokens: int) -> None:
-        """Blocks for ``req``'s first ``num_tokens`` tokens; :class:`CacheFullError` (nothing changed)
-        when the pool has too few free ones."""
+    def grow(self, req, num_tokens: int) -> list:
+        """The blocks ``req`` needs beyond ``req.blocks`` for its first ``num_tokens`` tokens, now
+        held; :class:`CacheFullError` (nothing changed) when the pool has too few free ones."""
         need = cdiv(num_tokens, self.block_size) - len(req.blocks)
         if need > self.num_free:
             raise CacheFullError(f"asked for {need} blocks, {self.num_free} of {self.num_blocks} can be had")
-        req.blocks += [self._take() for _ in range(need)]
+        return [self._take() for _ in range(need)]
 
     def _take(self) -> int:
         """One block for a request: a free one, else the least recently used cached one."""
@@ -142,31 +145,33 @@ class BlockManager:
         self.refs[block] = 1
         return block
 
-    def name_full_blocks(self, req) -> None:
-        """Name the blocks of ``req`` whose tokens are all computed (call after each step)."""
+    def name_full_blocks(self, req) -> list:
+        """Names for ``req``'s blocks whose tokens are all computed and that have none yet (the
+        ones after ``req.block_names``), in order; the first block of each prefix becomes cached."""
         if not self.prefix_caching:
-            return
-        p, chain = self.block_size, self.chain(req)
-        first = len(req.block_names)
-        ids = None
-        while len(req.block_names) < req.computed // p:
-            i = len(req.block_names)
+            return []
+        p, chain, done = self.block_size, req.chain, len(req.block_names)
+        ids, names = None, []
+        for i in range(done, req.computed // p):
             if i < len(chain):
                 name = chain[i]
             else:  # a block of generated tokens
                 if ids is None:
-                    ids = np.asarray(req.tokens[first * p:req.computed // p * p], dtype=np.int64)
-                name = self._name(req.block_names[-1] if i else self.seed, ids[(i - first) * p:(i - first + 1) * p])
-            req.block_names.append(name)
+                    ids = np.asarray(req.tokens[done * p:req.computed // p * p], dtype=np.int64)
+                previous = names[-1] if names else req.block_names[-1] if i else self.seed
+                name = self._name(previous, ids[(i - done) * p:(i - done + 1) * p])
+            names.append(name)
             if self.in_flight.get(name) == req.rid:
                 del self.in_flight[name]
             block = req.blocks[i]
             if name not in self.by_name and block not in self.name_of:  # first copy of this prefix
                 self.by_name[name] = block
                 self.name_of[block] = name
+        return names
 
     def free(self, req) -> None:
-        """Release ``req``'s blocks: named ones stay cached (the prompt's first blocks evicted last)."""
+        """Release ``req``'s blocks (its names in flight too): named ones stay cached (the prompt's
+        first blocks evicted last)."""
         for name in (req.chain or ())[len(req.block_names):]:
             if self.in_flight.get(name) == req.rid:
                 del self.in_flight[name]
@@ -179,4 +184,3 @@ class BlockManager:
                 self.evictable[b] = None
             else:
                 self.free_ids.append(b)
-        req.blocks = []

@@ -34,8 +34,8 @@ from dsa.config import bytes_per_token
 from dsa.engine.blocks import PrefixStats
 from dsa.engine.output import Delta, TextOutput
 from dsa.engine.runner import ModelRunner
-from dsa.engine.sampling import Sampler, SamplingParams
-from dsa.engine.scheduler import PENDING, Request, Scheduler
+from dsa.engine.sampling import PendingSample, Sampler, SamplingParams
+from dsa.engine.scheduler import Request, Scheduler
 from dsa.kernels import compiles
 from dsa.kernels.common import check_int
 from dsa.model.plan import PATHS
@@ -43,13 +43,24 @@ from dsa.model.plan import PATHS
 log = logging.getLogger("dsa.engine")
 
 
+@dataclass(frozen=True)
+class CheckedPrompt:
+    """A prompt and its sampling as :meth:`Engine.check_request` checked them: ``add_request``
+    takes it as it is (on an engine of the same limits)."""
+    ids: tuple  # token ids in [0, vocab_size)
+    sampling: SamplingParams
+    limits: tuple  # the engine limits it was checked against (Engine._limits)
+
+    def __len__(self) -> int:  # its tokens, as a prompt's
+        return len(self.ids)
+
+
 @dataclass
 class _InFlight:
-    """A launched step: its sampled tokens on their way, which rows sampled for which request (and
-    where the token goes), and ``(tokens on the device, {request id: row})`` for the next step."""
-    sample: object  # PendingSample
-    sampled: list  # (row, Request, index in request.tokens)
-    previous: tuple
+    """A launched step: its sampled tokens on their way (on the device, ``sample.tokens``, for the
+    next step's pending inputs) and the rows that sampled for a request."""
+    sample: PendingSample
+    sampled: list  # SampledRow
 
 
 @dataclass
@@ -104,7 +115,7 @@ class Engine:
         namespace = repr((c, str(model.dtype)))  # what changes a block's content besides its tokens
         self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens, max_num_seqs=max_num_seqs,
                                    prefix_caching=prefix_caching, namespace=namespace)
-        self.runner = ModelRunner(model, num_blocks, cuda_graphs)
+        self.runner = ModelRunner(model, num_blocks, cuda_graphs, max_num_seqs=max_num_seqs)
         self.sampler = Sampler(c.vocab_size, model.device)
         self.tokenizer = tokenizer
         self.lock = threading.RLock()
@@ -151,11 +162,6 @@ class Engine:
     @property
     def caches(self):
         return self.runner.caches
-
-    @property
-    def allocator(self):
-        """The block pool (``num_free``: blocks a new request can get, cached ones included)."""
-        return self.scheduler.blocks
 
     @property
     def waiting(self):
@@ -214,9 +220,10 @@ class Engine:
                              f"{sampling.max_tokens}; give the limit once")
         return sampling
 
-    def check_request(self, prompt_ids, sampling: SamplingParams) -> list:
-        """The prompt as a list of ints after the checks :meth:`add_request` makes (no state is
-        touched): ValueError when the request could never run, naming the limit."""
+    def check_request(self, prompt_ids, sampling: SamplingParams) -> "CheckedPrompt":
+        """The checks :meth:`add_request` makes, once (no state is touched): the prompt as a
+        :class:`CheckedPrompt` that ``add_request`` takes as it is. ValueError when the request
+        could never run, naming the limit."""
         vocab = self.config.vocab_size
         prompt = token_ids(prompt_ids, vocab)
         if sampling.stop and self.tokenizer is None:
@@ -233,17 +240,31 @@ class Engine:
         if blocks > self.num_blocks:
             raise ValueError(f"prompt_ids: {total} tokens need {blocks} blocks; the engine holds "
                              f"{self.num_blocks} ({self.capacity_tokens} tokens)")
-        return prompt
+        return CheckedPrompt(tuple(prompt), sampling, self._limits())
+
+    def _limits(self) -> tuple:
+        """What :meth:`check_request` checks a request against."""
+        c = self.config
+        return c.vocab_size, c.max_position_embeddings, self.num_blocks, c.block_size, self.tokenizer is not None
 
     def add_request(self, prompt_ids, max_new_tokens: int | None = None, *, sampling: SamplingParams | None = None,
                     on_output=None) -> int:
-        """Queue a prompt (token ids); returns its request id. Raises ValueError if it can never fit.
+        """Queue a prompt (token ids, or a :class:`CheckedPrompt` of :meth:`check_request`, taken as
+        it is); returns its request id. Raises ValueError if it can never fit.
 
         ``on_output(delta)``: called with each :class:`~dsa.engine.output.Delta` of this request, under the
         engine lock, by the thread that runs the step (keep it short: e.g. put it in a queue).
         """
-        sp = self.sampling_params(max_new_tokens, sampling)
-        prompt = self.check_request(prompt_ids, sp)
+        if isinstance(prompt_ids, CheckedPrompt):
+            checked = prompt_ids
+            if checked.limits != self._limits():
+                raise ValueError("prompt_ids: checked by an engine with other limits; check it with this one")
+            if sampling is not None and sampling != checked.sampling:
+                raise ValueError("sampling: differs from the one the prompt was checked with")
+            self.sampling_params(max_new_tokens, checked.sampling)
+        else:
+            checked = self.check_request(prompt_ids, self.sampling_params(max_new_tokens, sampling))
+        sp, prompt = checked.sampling, list(checked.ids)
         text = None if self.tokenizer is None else TextOutput(self.tokenizer, prompt, sp.stop)
         with self.lock:
             rid = next(self._ids)
@@ -289,60 +310,53 @@ class Engine:
         s.preemptions += len(out.preempted)
         if not out:
             return False
-        previous = self._inflight[-1].previous if self._inflight else None
-        result = self.runner.run(out, previous)
-        reqs = out.requests
-        sample = self.sampler.launch(result.logits, [r.sampling for r in reqs], [r.seed for r in reqs],
-                                     [len(r.tokens) for r in reqs])
-        s.prefill_chunks += sum(1 for r in reqs if r.prefilling)
-        sampled = []  # (row, request, the index of its pending token)
-        for i, (req, n) in enumerate(zip(reqs, out.num_rows)):
-            self.scheduler.advance(req, n)
-            if req.computed == len(req.tokens):  # the chunk reached its last token: a token is sampled
-                sampled.append((i, req, len(req.tokens)))
-                req.tokens.append(PENDING)
+        result = self.runner.run(out, self._inflight[-1].sample.tokens if self._inflight else None)
+        sample = self.sampler.launch(result.logits, result.sampling)
+        s.prefill_chunks += out.prefill_chunks
         for path, rows in result.rows.items():
             s.rows[path] += rows
         s.peak_workspace_bytes = max(s.peak_workspace_bytes, result.workspace_bytes)
         s.steps += 1
         s.graph_steps += result.graph
         s.tokens += out.num_tokens
-        self._inflight.append(_InFlight(sample, sampled, (sample.tokens, {r.rid: i for i, r, _ in sampled})))
+        self._inflight.append(_InFlight(sample, out.sampled))
         return True
 
     def _finish_step(self, step: "_InFlight") -> dict:
-        """The host side of a launched step: its tokens in place of the PENDING ones, stop checks,
-        prefix-cache names, deltas to the readers."""
+        """The host side of a launched step: stop checks, its tokens to the scheduler (in place of
+        the PENDING ones), deltas to the readers."""
         tokens, logprobs = step.sample.result()
-        produced = {}
-        for i, req, index in step.sampled:
+        results, reasons = [], []
+        for sampled in step.sampled:
+            req = sampled.request
             if self._requests.get(req.rid) is not req:
                 continue  # finished or aborted meanwhile: this row's token is dropped
-            tok = tokens[i]
-            req.tokens[index] = tok
-            self.scheduler.name_blocks(req)
+            tok = tokens[sampled.row]
+            reason = self._stop_reason(req, tok, sampled.last)
+            results.append((sampled, tok, reason is not None))
+            reasons.append(reason)
+        self.scheduler.update(results)
+        produced = {}
+        for (sampled, tok, _), reason in zip(results, reasons):
+            req = sampled.request
             produced[req.rid] = [tok]
-            self._advance(req, tok, logprobs[i], index - req.prompt_len + 1)
+            if reason is not None:
+                del self._requests[req.rid]
+                if req.text is not None:
+                    req.text.finish()
+            lp = logprobs[sampled.row]
+            self._deliver(req, [tok], None if lp is None else [lp], reason)
         self._stats.generated_tokens += len(produced)
         return produced
 
-    def _advance(self, req: Request, tok: int, logprob, generated: int) -> None:
-        """A request's ``generated``-th token: decide whether it finished, then tell its reader."""
+    def _stop_reason(self, req: Request, tok: int, last: bool) -> str | None:
+        """Why a request ends with this token (None: it goes on); its text takes the token."""
         sp = req.sampling
-        reason = None
         if tok in sp.stop_token_ids or (tok in self.eos and not sp.ignore_eos):
-            reason = "stop"  # the stop token's text is not part of the output
-        elif req.text is not None and req.text.append(tok):
-            reason = "stop"  # a stop string: the text ends before it
-        elif generated >= req.max_new_tokens:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.remove(req)  # running, or waiting after a preemption
-            del self._requests[req.rid]
-            del req.tokens[req.prompt_len + generated:]  # a token of a later step in flight, if any
-            if req.text is not None:
-                req.text.finish()
-        self._deliver(req, [tok], None if logprob is None else [logprob], reason)
+            return "stop"  # the stop token's text is not part of the output
+        if req.text is not None and req.text.append(tok):
+            return "stop"  # a stop string: the text ends before it
+        return "length" if last else None
 
     def _deliver(self, req: Request, tokens: list, logprobs, reason) -> None:
         if req.on_output is not None:

@@ -1,5 +1,9 @@
 """ModelRunner: runs a scheduled step through the model, replaying a CUDA graph when it can.
 
+It owns the caches and the running requests' rows (:class:`~dsa.engine.input_batch.InputBatch`:
+token ids, block tables, sampling parameters), which each step's deltas update before its inputs
+are gathered from them.
+
 Prefill and mixed steps run eagerly. A decode-only step (every request one new token) is padded to
 a batch-size bucket (1, 2, 4, ..., 128; padding rows see nothing and write nowhere) and a context
 bucket (the paged-logits width and block-table width), and replays the graph captured for that
@@ -15,12 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dsa.engine.scheduler import PENDING
+from dsa.engine.input_batch import InputBatch
+from dsa.engine.sampling import SamplingBatch
+from dsa.engine.staging import PinnedBuffers
 from dsa.kernels.common import cdiv
 from dsa.kernels.topk import warm_topk_slots
 from dsa.model.layers import MoE
 from dsa.model.plan import BatchPlan, HostPlan
-from dsa.model.staging import PinnedBuffers
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTEXT_STEP = 4096  # context buckets: powers of two up to this, then its multiples
@@ -41,48 +46,13 @@ def batch_bucket(rows: int) -> int | None:
 
 @dataclass
 class StepResult:
-    """One step's logits (one row per request, fp32) and what the plan says about it. Replayed
-    logits are a view of the graph's output: read them before the next step."""
+    """One step's logits (one row per request, fp32), its sampling rows and what the plan says
+    about it. Replayed logits are a view of the graph's output: read them before the next step."""
     logits: torch.Tensor  # [B, vocab] fp32
+    sampling: SamplingBatch  # the rows' sampling parameters (InputBatch.sampling)
     rows: dict  # rows served per path (dsa.model.plan.PATHS)
     workspace_bytes: int  # the MHA workspace the step needed
     graph: bool  # replayed from a CUDA graph
-
-
-class BlockTables:
-    """The running requests' block tables on the host, one row each, kept across steps: a request's
-    row is filled when it is admitted and extended as it gets blocks, so a step's tables are one
-    fancy index (no loop over each request's blocks)."""
-
-    def __init__(self, max_blocks: int, rows: int = 64):
-        self.table = np.zeros((rows, max_blocks), np.int32)
-        self.width = np.zeros(rows, np.int64)  # blocks written in each row
-        self.row_of: dict = {}  # rid -> row
-        self.free_rows = list(range(rows - 1, -1, -1))
-
-    def sync(self, req) -> int:
-        """``req``'s row, with its blocks added since the last step written in."""
-        row = self.row_of.get(req.rid)
-        if row is None:
-            if not self.free_rows:  # twice the rows
-                n = len(self.table)
-                self.table = np.concatenate((self.table, np.zeros_like(self.table)))
-                self.width = np.concatenate((self.width, np.zeros_like(self.width)))
-                self.free_rows = list(range(2 * n - 1, n - 1, -1))
-            row = self.row_of[req.rid] = self.free_rows.pop()
-            self.table[row, :self.width[row]] = 0  # nothing of the row's last request stays
-            self.width[row] = 0
-        w, n = self.width[row], len(req.blocks)
-        if n > w:
-            self.table[row, w:n] = req.blocks[w:]
-            self.width[row] = n
-        return row
-
-    def release(self, rid: int) -> None:
-        """A request finished, was aborted or preempted: its row is free (a resumed request gets a new one)."""
-        row = self.row_of.pop(rid, None)
-        if row is not None:
-            self.free_rows.append(row)
 
 
 @dataclass
@@ -96,7 +66,7 @@ class _Graph:
 class ModelRunner:
     """Owns an engine's caches; plans each step and runs it (eagerly, or by graph replay)."""
 
-    def __init__(self, model, num_blocks: int, cuda_graphs: bool | None = None):
+    def __init__(self, model, num_blocks: int, cuda_graphs: bool | None = None, max_num_seqs: int = 256):
         self.model = model
         self.caches = model.allocate_caches(num_blocks)
         possible = model.device.type == "cuda" and not any(isinstance(m, MoE) for m in model.modules())
@@ -107,55 +77,50 @@ class ModelRunner:
         self.graphs: dict = {}  # (rows bucket, context bucket) -> _Graph
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.plan_options = model.plan_options()  # the same every step
-        self.tables = BlockTables(cdiv(model.config.max_position_embeddings, model.config.block_size))
+        c = model.config
+        self.batch = InputBatch(max_num_seqs, min(c.max_position_embeddings, num_blocks * c.block_size),
+                                cdiv(c.max_position_embeddings, c.block_size), c.vocab_size)
         self.staging = PinnedBuffers(model.device, torch.int32)  # each step's packed plan, on its way up
 
     def run(self, out, previous=None) -> StepResult:
-        """Run a :class:`~dsa.engine.scheduler.SchedulerOutput`: request ``i`` computes the rows of
-        ``tokens[computed : computed + num_rows[i]]``. A decode row whose input token is still
-        :data:`~dsa.engine.scheduler.PENDING` (sampled by the step in flight) reads it on the device
-        from ``previous = (tokens [B'] int64, {request id: row})``, that step's sampled ids."""
-        for rid in out.finished:
-            self.tables.release(rid)
-        for req in out.admitted:  # a request resumed after preemption starts a fresh row too
-            self.tables.release(req.rid)
-        reqs, q = out.requests, out.num_rows
-        rows = np.fromiter((self.tables.sync(r) for r in reqs), dtype=np.int64, count=len(reqs))
-        c = [r.computed for r in reqs]
+        """Run a :class:`~dsa.engine.scheduler.SchedulerOutput`: its deltas into the batch first,
+        then request ``i`` computes the positions ``computed[i] .. + num_rows[i] - 1``. A decode
+        row whose input token is still :data:`~dsa.engine.scheduler.PENDING` (sampled by the step
+        in flight) reads it on the device from ``previous``, that step's sampled tokens [B']."""
+        batch = self.batch
+        batch.apply(out)
+        rows = batch.rows(out.rids)
+        q, c = out.num_rows, out.computed
         decode_only = all(n == 1 for n in q)
-        if decode_only:
-            ids = np.fromiter((r.tokens[r.computed] for r in reqs), dtype=np.int32, count=len(reqs))
-        else:
-            ids = np.concatenate([np.asarray(r.tokens[r.computed:r.computed + n], dtype=np.int32)
-                                  for r, n in zip(reqs, q)])
-        src = None
-        if (ids == PENDING).any():
-            first = np.cumsum(q) - q
-            src = np.full(len(ids), -1)
-            for i in np.flatnonzero(ids[first] == PENDING):  # only a decode row's input can be pending
-                src[first[i]] = previous[1][reqs[i].rid]
+        ends = np.add(c, q)  # each request's next token: the one sampled, where the row samples
+        ids, src = batch.input_ids(rows, np.asarray(q), np.asarray(c), decode_only)
+        if src is not None and previous is None:
+            raise RuntimeError("run: an input token is still being sampled, but no previous step's tokens were given")
+        sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
+        batch.expect(rows[sampled], ends[sampled], sampled)
+        sampling = batch.sampling.take(rows, ends)
         opts, p = self.plan_options, self.model.config.block_size
         if self.use_graphs and decode_only and batch_bucket(len(q)) is not None:
             bucket, ctx = batch_bucket(len(q)), context_bucket(max(c) + 1, p)
-            host = HostPlan.pack(q, c, self.tables.table[rows, :ctx // p], p, self.model.device, input_ids=ids,
+            host = HostPlan.pack(q, c, self.batch.block_table[rows, :ctx // p], p, self.model.device, input_ids=ids,
                                  input_src=src, num_rows=bucket, max_seq_len=ctx, num_block_columns=ctx // p, **opts)
             g = self.graphs.get((bucket, ctx)) or self._capture(host, bucket, ctx)
             if host.spec != g.spec:
                 raise AssertionError("a graph bucket's plan layout changed")
             host.upload(g.buf, self.staging)
             if src is not None:
-                _read_pending(host, g.buf, previous[0])
+                _read_pending(host, g.buf, previous)
             g.graph.replay()
-            return StepResult(g.logits[:len(q)], host.rows, 0, True)
-        width = max(self.tables.width[rows].max(initial=1), 1)
-        host = HostPlan.pack(q, c, self.tables.table[rows, :width], p, self.model.device, input_ids=ids,
+            return StepResult(g.logits[:len(q)], sampling, host.rows, 0, True)
+        width = max(self.batch.num_blocks[rows].max(initial=1), 1)
+        host = HostPlan.pack(q, c, self.batch.block_table[rows, :width], p, self.model.device, input_ids=ids,
                              input_src=src, **opts)
         buf = host.upload(staging=self.staging)
         if src is not None:
-            _read_pending(host, buf, previous[0])
+            _read_pending(host, buf, previous)
         plan = host.derive(buf)
         logits = self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
-        return StepResult(logits, plan.rows, plan.workspace_bytes, False)
+        return StepResult(logits, sampling, plan.rows, plan.workspace_bytes, False)
 
     def _capture(self, host: HostPlan, rows: int, ctx: int) -> _Graph:
         """Capture the model step for one bucket. The warm-up and the capture run this step's own

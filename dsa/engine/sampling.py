@@ -17,13 +17,13 @@ parameters as per-row tensors (uploaded once per step) and no per-request launch
 Logprobs are the model's: ``log_softmax`` of the raw logits (before temperature and filters).
 """
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dsa.model.staging import PinnedBuffers
+from dsa.engine.staging import PinnedBuffers
+from dsa.kernels.common import check_int, check_real
 
 MAX_LOGPROBS = 20
 _M32 = 0xFFFFFFFF
@@ -53,42 +53,43 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self):
-        def is_int(x):
-            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-        def is_real(x):
-            return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
         def fail(name, expected):
             raise ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
 
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            fail("max_tokens", "a positive int")
-        if not is_real(self.temperature) or self.temperature < 0:
+        def store(name, value):
+            object.__setattr__(self, name, value)
+
+        store("max_tokens", check_int("max_tokens", self.max_tokens, minimum=1))
+        store("temperature", check_real("temperature", self.temperature))
+        if self.temperature < 0:
             fail("temperature", "a finite float >= 0")
-        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
+        store("top_p", check_real("top_p", self.top_p))
+        if not 0 < self.top_p <= 1:
             fail("top_p", "a float in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
+        if check_int("top_k", self.top_k) < -1:
             fail("top_k", "an int >= 0 (0 or -1: no limit)")
-        if not is_real(self.min_p) or not 0 <= self.min_p <= 1:
+        store("min_p", check_real("min_p", self.min_p))
+        if not 0 <= self.min_p <= 1:
             fail("min_p", "a float in [0, 1]")
-        if self.seed is not None and not is_int(self.seed):
-            fail("seed", "None or an int")
+        if self.seed is not None:
+            store("seed", check_int("seed", self.seed))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if stop is None:
             stop = ()
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             fail("stop", "a non-empty string or a list of them")
         ids = () if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
+        if not isinstance(ids, (list, tuple)):
             fail("stop_token_ids", "a list of token ids >= 0")
         if not isinstance(self.ignore_eos, bool):
-            fail("ignore_eos", "a bool")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
-        object.__setattr__(self, "stop", tuple(stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
-        object.__setattr__(self, "top_k", max(int(self.top_k), 0))
+            raise TypeError(f"ignore_eos: expected a bool, got {type(self.ignore_eos).__name__} {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            store("logprobs", check_int("logprobs", self.logprobs))
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+        store("stop", tuple(stop))
+        store("stop_token_ids", tuple(check_int("stop_token_ids", t, minimum=0) for t in ids))
+        store("top_k", max(int(self.top_k), 0))
 
     @property
     def greedy(self) -> bool:
@@ -114,11 +115,23 @@ def hash32(x):
     return x ^ (x >> 16)
 
 
+def seed_key(seed: int) -> int:
+    """A request's seed (mod 2**64) hashed to 32 bits: the part of its noise keys that every one
+    of its tokens shares (hashed once, when it is admitted)."""
+    seed &= (1 << 64) - 1
+    return hash32(hash32(seed & _M32) ^ (seed >> 32))
+
+
+def position_keys(seed_keys, positions) -> tuple:
+    """The two 32-bit noise keys of rows: a hash of (:func:`seed_key`, position of the token
+    sampled), for ints or int64 arrays / tensors."""
+    k1 = hash32(seed_keys ^ (positions & _M32))
+    return k1, hash32(k1 ^ 0x5BD1E995)
+
+
 def noise_keys(seed: int, position: int) -> tuple:
     """The two 32-bit keys of one row's noise: a hash of (seed mod 2**64, position)."""
-    seed &= (1 << 64) - 1
-    k1 = hash32(hash32(hash32(seed & _M32) ^ (seed >> 32)) ^ (position & _M32))
-    return k1, hash32(k1 ^ 0x5BD1E995)
+    return position_keys(seed_key(seed), position)
 
 
 def uniform_noise(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
@@ -175,44 +188,96 @@ class Logprob:
     top: list  # [(token id, logprob)]
 
 
+class SamplingRows:
+    """Sampling parameters, one row per request, kept across steps: the runner's batch writes a
+    request's row when it is admitted (:meth:`set`) and gathers a step's rows with one fancy
+    index per column (:meth:`take`), so no step reads a :class:`SamplingParams`."""
+
+    def __init__(self, rows: int, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.temperature = np.ones(rows)  # 1 on greedy rows (their logits are not scaled)
+        self.top_p = np.ones(rows)
+        self.min_p = np.zeros(rows)
+        self.top_k = np.full(rows, vocab_size, np.int64)  # the vocabulary size: no limit
+        self.greedy = np.ones(rows, bool)
+        self.sorts = np.zeros(rows, bool)  # it uses top_k or top_p: a step that samples it sorts
+        self.seed_key = np.zeros(rows, np.int64)  # seed_key(seed)
+        self.logprobs = np.full(rows, -1, np.int64)  # top logprobs it asks for (-1: none)
+
+    def set(self, row: int, params: SamplingParams, seed: int) -> None:
+        self.temperature[row] = params.temperature or 1.0
+        self.top_p[row], self.min_p[row] = params.top_p, params.min_p
+        self.top_k[row] = params.top_k or self.vocab_size
+        self.greedy[row] = params.greedy
+        self.sorts[row] = bool(params.top_k or params.top_p < 1)
+        self.seed_key[row] = seed_key(seed)
+        self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
+
+    def take(self, rows: np.ndarray, positions: np.ndarray) -> "SamplingBatch":
+        """A step's sampling: ``rows`` of this table, ``positions`` [B] int64 of the tokens sampled."""
+        greedy, logprobs = self.greedy[rows], self.logprobs[rows]
+        if greedy.all():
+            return SamplingBatch(None, False, logprobs)
+        k1, k2 = position_keys(self.seed_key[rows], positions)
+        table = np.stack((self.temperature[rows], self.top_p[rows], self.min_p[rows], self.top_k[rows], greedy, k1, k2),
+                         axis=1).astype(np.float64, copy=False)
+        return SamplingBatch(table, bool((self.sorts[rows] & ~greedy).any()), logprobs)
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling rows (:meth:`SamplingRows.take`)."""
+    table: np.ndarray | None  # [B, 7] float64: temperature, top_p, min_p, top_k, greedy, noise keys k1, k2
+    # (the step's one upload); None when every row is greedy (one argmax)
+    sort: bool  # some sampled row uses top_k or top_p
+    logprobs: np.ndarray  # [B] int64: top logprobs asked for per row (-1: none)
+
+    @classmethod
+    def of(cls, params: list, seeds: list, positions: list, vocab_size: int) -> "SamplingBatch":
+        """The rows of B SamplingParams, their seeds and the positions of the tokens sampled."""
+        rows = SamplingRows(len(params), vocab_size)
+        for i, (p, seed) in enumerate(zip(params, seeds)):
+            rows.set(i, p, seed)
+        return rows.take(np.arange(len(params)), np.asarray(positions, dtype=np.int64))
+
+
 class Sampler:
-    """Samples a step's rows: packs the per-row parameters on the host, uploads them once, runs
-    :func:`sample_tokens`; the tokens (and logprobs, when asked for) come back in one non-blocking
-    copy (:meth:`launch` returns at once, :meth:`PendingSample.result` waits for the copy).
-    A batch of greedy rows is one argmax; sorting happens only when a row uses top_k or top_p."""
+    """Samples a step's rows: uploads the step's sampling table once (through persistent pinned
+    buffers), runs :func:`sample_tokens`; the tokens (and logprobs, when asked for) come back in
+    one non-blocking copy (:meth:`launch` returns at once, :meth:`PendingSample.result` waits for
+    the copy). A batch of greedy rows is one argmax; sorting happens only when a row uses top_k or
+    top_p."""
 
     def __init__(self, vocab_size: int, device):
         self.device = torch.device(device)
+        self.vocab_size = vocab_size
         self.vocab_hash = hash32(torch.arange(vocab_size, dtype=torch.int64, device=self.device))
+        self.uploads = PinnedBuffers(self.device, torch.float64)  # the sampling tables, on their way up
         self.staging = PinnedBuffers(self.device, torch.float64)  # the sampled rows, on their way down
 
     def __call__(self, logits: torch.Tensor, params: list, seeds: list, positions: list) -> tuple:
-        """:meth:`launch`, then wait: ``(tokens: list[int], logprobs: list[Logprob | None])``."""
-        return self.launch(logits, params, seeds, positions).result()
+        """Sample B rows of B SamplingParams (their seeds, the positions of the tokens sampled) and
+        wait: ``(tokens: list[int], logprobs: list[Logprob | None])``."""
+        return self.launch(logits, SamplingBatch.of(params, seeds, positions, self.vocab_size)).result()
 
-    def launch(self, logits: torch.Tensor, params: list, seeds: list, positions: list) -> "PendingSample":
-        """``logits [B, V]`` fp32; ``params`` B SamplingParams; ``seeds``, ``positions``: B ints (the
-        position of the token sampled). The tokens stay on the device (``.tokens [B]`` int64, for the
-        next step's inputs) and start their copy to the host."""
-        v = logits.shape[1]
-        if all(p.greedy for p in params):
+    def launch(self, logits: torch.Tensor, batch: SamplingBatch) -> "PendingSample":
+        """``logits [B, V]`` fp32, ``batch`` their B rows. The tokens stay on the device
+        (``.tokens [B]`` int64, for the next step's inputs) and start their copy to the host."""
+        if batch.table is None:
             tokens = logits.argmax(dim=-1)
         else:
-            host = np.array([(p.temperature or 1.0, p.top_p, p.min_p, p.top_k or v, p.greedy, *noise_keys(s, pos))
-                             for p, s, pos in zip(params, seeds, positions)], dtype=np.float64)
-            dev = torch.from_numpy(host).to(self.device, non_blocking=True)
-            sampled = [p for p in params if not p.greedy]
+            dev = self.uploads.copy_to(batch.table)
             tokens = sample_tokens(logits, dev[:, 0].float(), dev[:, 3].long(), dev[:, 1].float(), dev[:, 2].float(),
-                                   dev[:, 5:7].long(), self.vocab_hash, dev[:, 4].bool(),
-                                   sort=any(p.top_k or p.top_p < 1 for p in sampled))
-        n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+                                   dev[:, 5:7].long(), self.vocab_hash, dev[:, 4].bool(), sort=batch.sort)
+        n = int(batch.logprobs.max(initial=-1))
+        n = None if n < 0 else n
         packed = tokens[:, None].double()
         if n is not None:
             lp = torch.log_softmax(logits, dim=-1)
             top = lp.topk(n, dim=-1)
             packed = torch.cat([packed, lp.gather(1, tokens[:, None]).double(), top.values.double(),
                                 top.indices.double()], dim=1)
-        return PendingSample(tokens, packed, params, n, self.staging)
+        return PendingSample(tokens, packed, batch.logprobs.tolist() if n is not None else None, n, self.staging)
 
 
 class PendingSample:
@@ -221,9 +286,9 @@ class PendingSample:
     On CUDA the copy lands in a buffer of ``staging``, held until the result is read (or this
     object is dropped unread)."""
 
-    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, params: list, n: int | None,
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, logprobs: list | None, n: int | None,
                  staging: PinnedBuffers):
-        self.tokens, self.params, self.n = tokens, params, n
+        self.tokens, self.logprobs, self.n = tokens, logprobs, n  # logprobs: per row k (-1: none), with n
         self._staging = self._slot = self._event = self._rows = None
         if packed.device.type == "cuda":
             self._staging, self._slot = staging, staging.take(packed.numel())
@@ -245,9 +310,8 @@ class PendingSample:
         if self.n is None:
             return [int(r[0]) for r in rows], [None] * len(rows)
         n, out = self.n, []
-        for p, row in zip(self.params, rows):
-            k = p.logprobs
-            out.append(None if k is None else
+        for k, row in zip(self.logprobs, rows):
+            out.append(None if k < 0 else
                        Logprob(int(row[0]), row[1], [(int(i), x) for x, i in zip(row[2:2 + k], row[2 + n:2 + n + k])]))
         return [int(r[0]) for r in rows], out
 

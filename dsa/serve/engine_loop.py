@@ -41,7 +41,8 @@ def _resident_bytes() -> int | None:
 
 
 class Submission:
-    """One request as its handler sees it: the prompt ids and SamplingParams it was submitted
+    """One request as its handler sees it: the prompt (token ids, or the engine's CheckedPrompt,
+    which ``add_request`` takes without checking it again) and SamplingParams it was submitted
     with, the asyncio queue its deltas arrive on (``delta.index`` set to ``index``), the engine's
     request id once added (``rid``), and ``error`` when the engine failed it."""
 
@@ -270,7 +271,7 @@ class EngineLoop:
         e = self.engine
         return {"running": len(e.running), "waiting": len(e.waiting), "generated_tokens": e.stats.generated_tokens,
                 "prompt_tokens": self.prompt_tokens, "tokens_per_second": self.tokens_per_second(),
-                "blocks_free": e.allocator.num_free, "blocks_in_use": e.num_blocks - e.allocator.num_free,
+                "blocks_free": e.scheduler.blocks.num_free, "blocks_in_use": e.num_blocks - e.scheduler.blocks.num_free,
                 "blocks_cached": e.stats.prefix.cached_blocks, "prefix": e.stats.prefix,
                 "preemptions": e.stats.preemptions, "kernel_compiles": e.stats.kernel_compiles,
                 "compiles_after_warmup": e.stats.compiles_after_warmup,

@@ -1,4 +1,5 @@
-"""Persistent pinned host buffers for the copies every step makes (the plan up, the sampled ids down).
+"""Persistent pinned host buffers for the copies every step makes (the plan and the sampling table
+up, the sampled ids down).
 
 Pinning a fresh buffer per step (``tensor.pin_memory()``, ``torch.empty(..., pin_memory=True)``)
 goes through PyTorch's caching host allocator, which keeps every page-locked block it ever handed
@@ -10,6 +11,7 @@ reused only when its holder gave it back and the copy that last used it has fini
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 MAX_SLOTS = 4  # with this many buffers, a taker waits for a given-back one's copy rather than pin another
@@ -30,7 +32,8 @@ class PinnedBuffers:
     handed out while held or while the copy recorded at its return may still run."""
 
     def __init__(self, device, dtype: torch.dtype, event_factory=None):
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.dtype = dtype
         self.slots: list = []
         self.new_event = event_factory or (torch.cuda.Event if self.cuda else None)
@@ -59,6 +62,18 @@ class PinnedBuffers:
             slot.event = self.new_event()
             slot.event.record()
         slot.held = False
+
+    def copy_to(self, array: np.ndarray) -> torch.Tensor:
+        """``array`` (of this pool's dtype) on the device: on CUDA one non-blocking copy from a
+        buffer of the pool; elsewhere the array's own memory."""
+        if not self.cuda:
+            return torch.from_numpy(array)
+        slot = self.take(array.size)
+        host = slot.buffer[:array.size]
+        host.numpy()[:] = array.reshape(-1)
+        out = host.view(array.shape).to(self.device, non_blocking=True)
+        self.give_back(slot, copied=True)
+        return out
 
     def _alloc(self, numel: int) -> torch.Tensor:
         return torch.empty(1 << max(6, (numel - 1).bit_length()), dtype=self.dtype, pin_memory=self.cuda)
