@@ -229,8 +229,8 @@ class HostPlan:
         longest = int(seq.max()) if len(seq) else 0
         bucket = _choose_bucket(query, longest, block_size, bucket, graphs)
         num_requests, num_rows = len(query), len(query) if bucket is None else bucket.rows
-        tables = _block_array(block_tables, num_requests, None if bucket is None else cdiv(bucket.max_seq_len,
-                              block_size), num_rows)
+        width = None if bucket is None else cdiv(bucket.max_seq_len, block_size)
+        tables = _block_array(block_tables, num_requests, width, num_rows)
         if (cdiv(seq, block_size) > tables.shape[1]).any():
             raise ValueError(f"block_tables: expected [B={num_requests}, >= ceil(S / {block_size})] blocks per "
                              f"request, got {list(tables.shape)} for seq_lens {seq.tolist()}")
@@ -264,20 +264,22 @@ class HostPlan:
         zeros = torch.zeros(positions.shape[0], dtype=torch.int32, device=device) \
             if routed.sparse or routed.mha else None
         valid = _view(buf, spec["valid"]) if "valid" in spec else None
-        sparse = tuple(PrefillRows(*_fields(seg), block_table[seg.req:seg.req + 1], seq_lens[seg.req:seg.req + 1],
-                                   valid[seg.rows]) for seg in routed.sparse)
         dense_seq = _view(buf, spec["dense_seq"]) if "dense_seq" in spec else None  # mha, then absorbed
+        sparse = tuple(_rows(seg, block_table, seq_lens[seg.req:seg.req + 1], valid) for seg in routed.sparse)
         mha = tuple(self._mha_rows(seg, block_table, dense_seq[j:j + 1], valid, zeros)
                     for j, seg in enumerate(routed.mha))
-        absorbed = tuple(PrefillRows(*_fields(seg), block_table[seg.req:seg.req + 1], dense_seq[j:j + 1],
-                                     valid[seg.rows]) for j, seg in enumerate(routed.absorbed, len(routed.mha)))
+        absorbed = tuple(_rows(seg, block_table, dense_seq[j:j + 1], valid)
+                         for j, seg in enumerate(routed.absorbed, len(routed.mha)))
         b = self.num_requests
-        return BatchPlan(tuple(self.query_lens[:b].tolist()), tuple(self.context_lens[:b].tolist()), self.block_size,
-                         self.max_seq_len, routed, _view(buf, spec["ids"]) if "ids" in spec else None, positions,
-                         slot_mapping, row_to_req, block_table, seq_lens, _view(buf, spec["logits_rows"]).long(),
-                         IndexerBatch(positions, slot_mapping, None if every is not None else decode, every, sparse,
-                                      zeros), decode,
-                         _view(buf, spec["sparse_rows"]).long() if "sparse_rows" in spec else None, mha, absorbed)
+        return BatchPlan(
+            query_lens=tuple(self.query_lens[:b].tolist()), context_lens=tuple(self.context_lens[:b].tolist()),
+            block_size=self.block_size, max_seq_len=self.max_seq_len, route=routed,
+            input_ids=_view(buf, spec["ids"]) if "ids" in spec else None, positions=positions,
+            slot_mapping=slot_mapping, row_to_req=row_to_req, block_table=block_table, seq_lens=seq_lens,
+            logits_rows=_view(buf, spec["logits_rows"]).long(),
+            indexer=IndexerBatch(positions, slot_mapping, None if every is not None else decode, every, sparse, zeros),
+            decode=decode, sparse_prefill_rows=_view(buf, spec["sparse_rows"]).long() if routed.sparse else None,
+            mha=mha, absorbed=absorbed)
 
     def _decode_rows(self, buf, block_table, seq_lens) -> DecodeRows:
         r = len(self.route.decode_reqs)
@@ -297,17 +299,18 @@ class HostPlan:
     def _mha_rows(self, seg: Segment, block_table, seq_len, valid, zeros) -> PrefillRows:
         """A dense MHA segment with the slots of its keys and, behind a prefix, its SDPA mask: built
         here once for every layer."""
-        s, table = seg.num_keys, block_table[seg.req:seg.req + 1]
-        keys = torch.arange(s, dtype=torch.int32, device=self.device)
-        slots = positions_to_slots(keys[None], table, zeros[:1], seq_len, self.block_size)[0]
+        keys = torch.arange(seg.num_keys, dtype=torch.int32, device=self.device)
+        slots = positions_to_slots(keys[None], block_table[seg.req:seg.req + 1], zeros[:1], seq_len, self.block_size)[0]
         mask = None  # no prefix: SDPA's is_causal (top-left and bottom-right alignment coincide)
         if seg.pos0:  # query i sits at position pos0 + i and sees keys [0, pos0 + i]: bottom-right aligned
             mask = keys[None, :] <= (seg.pos0 + torch.arange(seg.num_rows, device=self.device))[:, None]
-        return PrefillRows(*_fields(seg), table, seq_len, valid[seg.rows], slots, mask)
+        return _rows(seg, block_table, seq_len, valid, slots, mask)
 
 
-def _fields(seg: Segment) -> tuple:
-    return seg.req, seg.row0, seg.row1, seg.pos0
+def _rows(seg: Segment, block_table, seq_len, valid, slots=None, mask=None) -> PrefillRows:
+    """``seg`` with its views: its request's table row, ``seq_len`` ``[1]``, its rows' valid lengths."""
+    return PrefillRows(seg.req, seg.row0, seg.row1, seg.pos0, block_table[seg.req:seg.req + 1], seq_len,
+                       valid[seg.rows], slots, mask)
 
 
 def _pack(query, context, seq, first_row, tables, ids, src, routed: Route) -> tuple[dict, _Packer]:
