@@ -10,7 +10,8 @@ import torch
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """The step's decode rows (one new token per request), every one served by top-k + sparse MLA.
+    """The step's decode rows (one new token per request): with an indexer served by top-k +
+    sparse MLA, without one by the dense absorbed decode.
 
     ``rows`` indexes the step's rows (a slice when they are contiguous, as in decode-only steps);
     row ``i`` of the views below belongs to the request whose blocks are ``block_table[i]``.
@@ -20,23 +21,16 @@ class DecodeRows:
     seq_lens: torch.Tensor  # [R] int32, S of each row's request (0 for a padding row: nothing visible)
     row_ids: torch.Tensor  # [R] int32, arange(R): row i reads block_table[i]
     max_seq_len: int  # host: an upper bound of seq_lens, the width of the paged logits
-    every_position: torch.Tensor | None  # [R, K] int32 slots of positions 0 .. K-1 (-1 past S) when max_seq_len <= K
 
 
 @dataclass(frozen=True)
-class PrefillRows:
-    """One request's prefill rows ``[row0, row1)`` of the step, at positions ``pos0 ..``: the
-    indexer's sparse rows (scored by ragged logits over the request's keys) and the attention's
-    dense segments (rows whose range fits in ``index_topk``) are both of this type. Host ints size
-    everything, so no op reads a length back from the device."""
-    req: int  # host: the request's index in the step
-    row0: int  # host
-    row1: int  # host
-    pos0: int  # host: the position of row0
-    block_table: torch.Tensor  # [1, MB] int32, the request's blocks
-    seq_len: torch.Tensor  # [1] int32, pos0 + rows: positions visible to the last row
-    valid_lens: torch.Tensor  # [rows] int32, position + 1 of each row (causal)
-    slots: torch.Tensor | None = None  # [num_keys] int32 slots of positions 0 .. num_keys - 1 (the MHA path)
+class Segment:
+    """One request's prefill rows ``[row0, row1)`` of the step, at positions ``pos0 ..``, all on one
+    path: host ints, as the plan routes them before any tensor exists."""
+    req: int  # the request's index in the step
+    row0: int
+    row1: int
+    pos0: int  # the position of row0
 
     @property
     def rows(self) -> slice:
@@ -48,17 +42,33 @@ class PrefillRows:
 
     @property
     def num_keys(self) -> int:
-        """Positions visible to the last row (host)."""
+        """Positions visible to the last row."""
         return self.pos0 + self.num_rows
+
+
+@dataclass(frozen=True)
+class PrefillRows(Segment):
+    """A :class:`Segment` with its views on the device: the indexer's sparse rows (scored by ragged
+    logits over the request's keys) and the attention's dense segments (rows whose range fits in
+    ``index_topk``) are both of this type. Host ints size everything, so no op reads a length back
+    from the device."""
+    block_table: torch.Tensor  # [1, MB] int32, the request's blocks
+    seq_len: torch.Tensor  # [1] int32, pos0 + rows: positions visible to the last row
+    valid_lens: torch.Tensor  # [rows] int32, position + 1 of each row (causal)
+    slots: torch.Tensor | None = None  # [num_keys] int32 slots of positions 0 .. num_keys - 1 (the MHA path)
+    mask: torch.Tensor | None = None  # [rows, num_keys] bool, row i sees keys 0 .. pos0 + i (MHA behind a
+    # prefix, built once per step for every layer; None without a prefix: SDPA's is_causal is the same mask)
 
 
 @dataclass(frozen=True)
 class IndexerBatch:
     positions: torch.Tensor  # [T] int32, request-local
     slot_mapping: torch.Tensor  # [T] int32, where each row's key is written (-1: nowhere)
-    decode: DecodeRows | None
+    decode: DecodeRows | None  # the decode rows to score (None: no decode rows, or every_position is their top-k)
+    every_position: torch.Tensor | None  # [R, K] int32 slots of positions 0 .. K-1 (-1 past S): the decode
+    # rows' top-k when every context of the step fits in K (the plan's Route.every_position)
     prefill: tuple  # PrefillRows of the sparse prefill rows, in row order
-    zeros: torch.Tensor  # [T] int32 zeros (ragged logits' range starts)
+    zeros: torch.Tensor | None  # [T] int32 zeros, ragged logits' range starts (None: no sparse or MHA prefill rows)
 
 
 @dataclass(frozen=True)

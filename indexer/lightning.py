@@ -86,21 +86,21 @@ class LightningIndexer(nn.Module):
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: IndexerBatch, cache: IndexerKeyCache,
                 rot: torch.Tensor) -> Selection:
-        """Write this step's keys; return the top-k slots of the batch's sparse rows (decode rows
-        whose context fits in ``index_topk`` get every position: top-k's answer for them)."""
+        """Write this step's keys; return the top-k slots of the batch's sparse rows (the decode
+        rows' are the plan's ``every_position`` when their contexts fit in ``index_topk``)."""
         c, k = self.config, self.config.index_topk
         exact = c.indexer_precision == "exact"
         q, key, w = self.project(x, qr, rot)
         write_indexer_keys(cache, key, batch.slot_mapping, hadamard=c.indexer_hadamard and not exact)
-        d = batch.decode
-        if (d is None or d.every_position is not None) and not batch.prefill:
-            return Selection(None if d is None else d.every_position, None)
+        d = batch.decode  # the decode rows to score, as the plan routed them
+        if d is None and not batch.prefill:
+            return Selection(batch.every_position, None)
         if exact:
             weights = w * weight_scale(c.index_n_heads, c.index_head_dim)
         else:
             q, weights = indexer_query_prep(q, w, c.indexer_hadamard)
-        decode = None if d is None else d.every_position
-        if d is not None and decode is None:
+        decode = batch.every_position
+        if d is not None:
             logits = indexer_logits_paged(q[d.rows].unsqueeze(1), weights[d.rows].unsqueeze(1), cache.data,
                                           d.block_table, d.seq_lens, cache.block_size, max_seq_len=d.max_seq_len)
             decode = topk_slots(logits, d.seq_lens, k, d.block_table, d.row_ids, d.seq_lens, cache.block_size)

@@ -130,10 +130,10 @@ def test_short_decode_rows_take_the_sparse_kernel_with_every_position(model):
     engine.step()  # prefill
     req = engine.running[rid]
     plan = model.plan([1], [req.computed], [req.blocks], input_ids=[req.tokens[-1]])
-    assert plan.decode_only and plan.rows["sparse_decode"] == 1 and plan.decode.every_position is not None
+    assert plan.route.decode_only and plan.route.rows["sparse_decode"] == 1 and plan.route.every_position
     latent = engine.caches.latent[0].data
     q = torch.randn(1, model.config.num_attention_heads, 576, generator=torch.Generator().manual_seed(0))
-    sparse, _ = sparse_mla(q, latent, plan.decode.every_position, 0.1)
+    sparse, _ = sparse_mla(q, latent, plan.indexer.every_position, 0.1)
     dense, _ = dense_mla_decode(q[:, None], latent, plan.decode.block_table, plan.decode.seq_lens, 0.1)
     assert torch.allclose(sparse, dense[:, 0], atol=1e-5, rtol=1e-5)
     assert engine.generate([prompt(12, 14)], 3)[0] == Engine(model, num_blocks=4).generate([prompt(12, 14)], 3)[0]

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dsa import DSAConfig, DSAModel, Engine
-from dsa.engine.runner import batch_bucket, context_bucket
-from dsa.model.plan import HostPlan
+from dsa.model.plan import Bucket, HostPlan
+from dsa.model.route import batch_bucket, context_bucket
 
 pytestmark = pytest.mark.gpu
 
@@ -38,10 +38,9 @@ def test_replay_is_bitwise_the_eager_step_at_the_same_padded_shapes(model):
         batch = engine.scheduler.schedule()
         q, c, reqs = batch.num_rows, batch.computed, [s.request for s in batch.sampled]  # every decode row samples
         tables, ids = [r.blocks for r in reqs], [r.tokens[n] for r, n in zip(reqs, c)]
-        rows, ctx = batch_bucket(len(q)), context_bucket(max(c) + 1, model.config.block_size)
-        host = HostPlan.pack(q, c, tables, model.config.block_size, "cuda", input_ids=ids, num_rows=rows,
-                             max_seq_len=ctx, num_block_columns=ctx // model.config.block_size,
-                             **model.plan_options())
+        bucket = Bucket(batch_bucket(len(q)), context_bucket(max(c) + 1, model.config.block_size))
+        host = HostPlan.pack(q, c, tables, model.config.block_size, "cuda", options=model.plan_options(),
+                             input_ids=ids, bucket=bucket)
         eager = model.step(host.derive(host.upload()), engine.caches)[:len(q)].clone()  # writes the same rows
         result = engine.runner.run(batch)
         assert result.graph and torch.equal(result.logits, eager)

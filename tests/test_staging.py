@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsa.engine.staging import MAX_SLOTS, PinnedBuffers
-from dsa.model.plan import HostPlan
+from dsa.model.plan import Bucket, HostPlan, PlanOptions
 
 WAITED = []  # the FakeEvents waited on, in order
 
@@ -83,8 +83,8 @@ def test_changing_sizes_use_a_few_buffers_that_only_grow(seed):
 def test_a_plan_uploaded_through_staging_equals_the_direct_upload():
     s = _staging()
     tables = np.arange(12, dtype=np.int32).reshape(3, 4)
-    plans = [HostPlan.pack([1, 1, 1], [30, 7, 50], tables, 16, "cpu", index_topk=16, input_ids=ids, num_rows=4,
-                           max_seq_len=64, num_block_columns=4) for ids in ([5, 6, 7], [8, 9, 10])]
+    plans = [HostPlan.pack([1, 1, 1], [30, 7, 50], tables, 16, "cpu", options=PlanOptions(index_topk=16), input_ids=ids,
+                           bucket=Bucket(4, 64)) for ids in ([5, 6, 7], [8, 9, 10])]
     buf = torch.full((plans[0].packer.size,), -7, dtype=torch.int32)
     for host in plans:
         direct = host.upload()

@@ -16,7 +16,7 @@ import torch
 from dsa.cache import LatentCache
 from dsa.kernels import dense_mla_decode
 from dsa.model.dispatch import Dispatch
-from dsa.model.plan import BatchPlan
+from dsa.model.plan import BatchPlan, PlanOptions
 from dsa.testing import random_block_tables
 
 from .harness import gpu_slug, result_row
@@ -39,9 +39,9 @@ def run(device, timer, ceilings, args) -> list:
         for qn in queries:
             s = prefix + qn
             table, nb = random_block_tables([s], P, generator=g)
-            plan = BatchPlan.build([qn], [prefix], table, P, device, index_topk=None,  # one MHA segment
-                                   dispatch=Dispatch(c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim,
-                                                     prefill_mha_min_query=1))
+            every_mha = PlanOptions(dispatch=Dispatch(c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim,
+                                                      prefill_mha_min_query=1))
+            plan = BatchPlan.build([qn], [prefix], table, P, device, options=every_mha)  # one MHA segment
             seg = plan.mha[0]
             cache = LatentCache(nb, P, device=device)
             cache.data.copy_(torch.randn(nb, P, 576, device=device) * 0.5)

@@ -29,12 +29,12 @@ import torch
 
 from dsa.config import DSAConfig
 from dsa.engine import Engine
-from dsa.engine.runner import batch_bucket, context_bucket
 from dsa.engine.sampling import SamplingParams
 from dsa.kernels.common import cdiv
 from dsa.model import DSAModel
 from dsa.model.parallel import without_all_reduce
 from dsa.model.presets import GPU_DEFAULT
+from dsa.model.route import batch_bucket, context_bucket
 
 from .harness import result_row
 from .indexer import random_index_cache

@@ -25,23 +25,8 @@ from dsa.engine.staging import PinnedBuffers
 from dsa.kernels.common import cdiv
 from dsa.kernels.topk import warm_topk_slots
 from dsa.model.layers import MoE
-from dsa.model.plan import BatchPlan, HostPlan
-
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-CONTEXT_STEP = 4096  # context buckets: powers of two up to this, then its multiples
-
-
-def context_bucket(seq_len: int, block_size: int) -> int:
-    """The paged-logits width a graph is captured for: a power of two (>= 256) up to 4096, then
-    multiples of 4096; always a multiple of the block size."""
-    b = 256 if seq_len <= 256 else 1 << (seq_len - 1).bit_length()
-    if b > CONTEXT_STEP:
-        b = cdiv(seq_len, CONTEXT_STEP) * CONTEXT_STEP
-    return cdiv(b, block_size) * block_size
-
-
-def batch_bucket(rows: int) -> int | None:
-    return next((b for b in BATCH_BUCKETS if b >= rows), None)
+from dsa.model.plan import BatchPlan, Bucket, HostPlan
+from dsa.model.route import BATCH_BUCKETS, context_bucket
 
 
 @dataclass
@@ -99,30 +84,26 @@ class ModelRunner:
         sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
         batch.expect(rows[sampled], ends[sampled], sampled)
         sampling = batch.sampling.take(rows, ends)
-        opts, p = self.plan_options, self.model.config.block_size
-        if self.use_graphs and decode_only and batch_bucket(len(q)) is not None:
-            bucket, ctx = batch_bucket(len(q)), context_bucket(max(c) + 1, p)
-            host = HostPlan.pack(q, c, self.batch.block_table[rows, :ctx // p], p, self.model.device, input_ids=ids,
-                                 input_src=src, num_rows=bucket, max_seq_len=ctx, num_block_columns=ctx // p, **opts)
-            g = self.graphs.get((bucket, ctx)) or self._capture(host, bucket, ctx)
+        width = max(batch.num_blocks[rows].max(initial=1), 1)
+        host = HostPlan.pack(q, c, batch.block_table[rows, :width], self.model.config.block_size, self.model.device,
+                             options=self.plan_options, input_ids=ids, input_src=src, graphs=self.use_graphs)
+        if host.bucket is not None:
+            g = self.graphs.get(host.bucket) or self._capture(host)
             if host.spec != g.spec:
                 raise AssertionError("a graph bucket's plan layout changed")
             host.upload(g.buf, self.staging)
             if src is not None:
                 _read_pending(host, g.buf, previous)
             g.graph.replay()
-            return StepResult(g.logits[:len(q)], sampling, host.rows, 0, True)
-        width = max(self.batch.num_blocks[rows].max(initial=1), 1)
-        host = HostPlan.pack(q, c, self.batch.block_table[rows, :width], p, self.model.device, input_ids=ids,
-                             input_src=src, **opts)
+            return StepResult(g.logits[:len(q)], sampling, host.route.rows, 0, True)
         buf = host.upload(staging=self.staging)
         if src is not None:
             _read_pending(host, buf, previous)
         plan = host.derive(buf)
         logits = self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
-        return StepResult(logits, sampling, plan.rows, plan.workspace_bytes, False)
+        return StepResult(logits, sampling, plan.route.rows, plan.route.workspace_bytes, False)
 
-    def _capture(self, host: HostPlan, rows: int, ctx: int) -> _Graph:
+    def _capture(self, host: HostPlan) -> _Graph:
         """Capture the model step for one bucket. The warm-up and the capture run this step's own
         rows (writing the same cache rows the replay writes again)."""
         model = self.model
@@ -138,7 +119,7 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = model.step(host.derive(buf), self.caches)
-        self.graphs[(rows, ctx)] = g = _Graph(graph, buf, host.spec, logits)
+        self.graphs[host.bucket] = g = _Graph(graph, buf, host.spec, logits)
         return g
 
     def context_buckets(self, max_context: int) -> list:
@@ -180,7 +161,7 @@ class ModelRunner:
         for t, ctx in prefill:
             table = (np.arange(cdiv(ctx + t, p)) % num_blocks)[None].astype(np.int32)
             ids = np.zeros(t, np.int32)
-            plan = BatchPlan.build([t], [ctx], table, p, self.model.device, input_ids=ids, **self.plan_options)
+            plan = BatchPlan.build([t], [ctx], table, p, self.model.device, options=self.plan_options, input_ids=ids)
             self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
             bar.update()
         if c.index_topk is not None:  # the top-k's finish tiles: a constexpr chosen by width and rows
@@ -191,12 +172,12 @@ class ModelRunner:
         for b, ctx in decode:
             if self.use_graphs:
                 if (b, ctx) not in self.graphs:
-                    self._capture(self._padding_plan(b, ctx), b, ctx)
+                    self._capture(self._padding_plan(b, ctx))
                     graphs += 1
             else:
                 table = np.zeros((b, ctx // p), np.int32)
-                plan = BatchPlan.build([1] * b, [ctx - 1] * b, table, p, self.model.device,
-                                       input_ids=np.zeros(b, np.int32), **self.plan_options)
+                plan = BatchPlan.build([1] * b, [ctx - 1] * b, table, p, self.model.device, options=self.plan_options,
+                                       input_ids=np.zeros(b, np.int32))
                 self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
             bar.update()
         bar.close()
@@ -207,9 +188,8 @@ class ModelRunner:
     def _padding_plan(self, rows: int, ctx: int) -> HostPlan:
         """A decode-only plan of padding rows only (nothing read or written) for one graph bucket."""
         p = self.model.config.block_size
-        return HostPlan.pack([], [], np.zeros((0, ctx // p), np.int32), p, self.model.device,
-                             input_ids=np.zeros(0, np.int32), num_rows=rows, max_seq_len=ctx,
-                             num_block_columns=ctx // p, **self.plan_options)
+        return HostPlan.pack([], [], np.zeros((0, ctx // p), np.int32), p, self.model.device, options=self.plan_options,
+                             input_ids=np.zeros(0, np.int32), bucket=Bucket(rows, ctx))
 
 
 def _read_pending(host: HostPlan, buf: torch.Tensor, previous: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ Per step (rows from a :class:`dsa.model.plan.BatchPlan`)::
                  absorbed kernel (prefill): the same function, chosen for speed by the plan
     out [T, H, 512] @ W_UV -> [T, H, D_V] -> o_proj
 
+The plan's :class:`~dsa.model.route.Route` says which path serves which rows; the layer reads it.
 Decode rows of a model with an indexer always take top-k + the sparse kernel (a row whose context
 fits in ``index_topk`` is handed every position), so a row's kernel never depends on its batch.
 """
@@ -75,14 +76,14 @@ class DSAAttention(nn.Module):
                     if part is not None:
                         self.tp.check_same(f"layer {self.layer_id}", part)
 
-        d, sparse_rows = plan.decode, plan.sparse_prefill_rows
+        d, sparse_rows, routed = plan.decode, plan.sparse_prefill_rows, plan.route
         any_absorbed = d is not None or sparse_rows is not None or plan.absorbed
         q_abs = self.absorbed_query(q_nope, q_pe) if any_absorbed else None  # [T, H, 576]
-        if d is not None and plan.decode_only:  # every row decodes: no gather, no scatter
-            return self._out(self._up_v(self._decode(q_abs, d, latent, step.selection)))
+        if routed.decode_only:  # every row decodes: no gather, no scatter
+            return self._out(self._up_v(self._decode(q_abs, d, routed.sparse_decode, latent, step.selection)))
         out = torch.full((t, h, c.v_head_dim), float("nan"), dtype=x.dtype, device=x.device)
         if d is not None:
-            out[d.rows] = self._up_v(self._decode(q_abs[d.rows], d, latent, step.selection))
+            out[d.rows] = self._up_v(self._decode(q_abs[d.rows], d, routed.sparse_decode, latent, step.selection))
         if sparse_rows is not None:
             o, _ = sparse_mla(q_abs[sparse_rows], latent.data, step.selection.prefill, self.softmax_scale)
             out[sparse_rows] = self._up_v(o)
@@ -102,10 +103,11 @@ class DSAAttention(nn.Module):
         y = self.tp.all_reduce(F.linear(out.flatten(1), self.o_proj.weight))
         return y if self.o_proj.bias is None else y + self.o_proj.bias
 
-    def _decode(self, q_abs: torch.Tensor, d, latent: LatentCache, selection) -> torch.Tensor:
-        """Latent-space attention ``[R, H, 512]`` of the decode rows: top-k + sparse kernel with an
-        indexer (a short row's top-k is every position), the dense absorbed kernel without one."""
-        if self.config.index_topk is not None:
+    def _decode(self, q_abs: torch.Tensor, d, sparse: bool, latent: LatentCache, selection) -> torch.Tensor:
+        """Latent-space attention ``[R, H, 512]`` of the decode rows: top-k + sparse kernel when the
+        plan routes them so (a model with an indexer; a short row's top-k is every position), else
+        the dense absorbed kernel."""
+        if sparse:
             return sparse_mla(q_abs, latent.data, selection.decode, self.softmax_scale)[0]
         return dense_mla_decode(q_abs.unsqueeze(1), latent.data, d.block_table, d.seq_lens, self.softmax_scale)[0][:, 0]
 
@@ -145,10 +147,8 @@ class DSAAttention(nn.Module):
         if v.shape[-1] != k.shape[-1]:  # equal head dims let SDPA pick a fused kernel instead of the math path
             v = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, len, D]: 4-D for the fused kernels
-        if seg.pos0 == 0:  # no prefix: top-left and bottom-right causal alignment coincide
+        if seg.mask is None:  # no prefix: top-left and bottom-right causal alignment coincide
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        else:  # query i sits at position pos0 + i and sees keys [0, pos0 + i]: bottom-right aligned
-            pos = torch.arange(s, device=q.device)
-            mask = pos[None, :] <= (seg.pos0 + torch.arange(seg.num_rows, device=q.device))[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
+        else:  # the plan's bottom-right causal mask, built once for every layer
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=self.softmax_scale)
         return o[0, ..., :c.v_head_dim].transpose(0, 1)

@@ -20,7 +20,7 @@ from dsa.model.dispatch import load_dispatch
 from dsa.model.layers import MLP, MoE, RMSNorm, is_moe_layer
 from dsa.model.loading import match_state_dict, read_pretrained
 from dsa.model.parallel import TensorParallel, init_tensor_parallel
-from dsa.model.plan import BatchPlan
+from dsa.model.plan import BatchPlan, PlanOptions
 
 FP32_PARAMS = (".mlp.gate.", ".indexer.weights_proj.")  # the router and the indexer head weights stay fp32
 
@@ -166,16 +166,16 @@ class DSAModel(nn.Module):
         """Per-token RoPE rotations ``[T, D_R / 2]`` complex for ``positions [T]``."""
         return rope_at(positions, *self.rope_tables())
 
-    def plan_options(self) -> dict:
-        """The model's keywords for :meth:`BatchPlan.build` / ``HostPlan.pack``."""
+    def plan_options(self) -> PlanOptions:
+        """The model's :class:`PlanOptions` for :meth:`BatchPlan.build` / ``HostPlan.pack``."""
         c = self.config
         kv_bytes = (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim + 2 * c.qk_head_dim)
                     * self.embed_tokens.weight.element_size())  # up-projected K/V per context token (MHA path)
-        return dict(index_topk=c.index_topk, dispatch=self.dispatch, mha_kv_bytes_per_token=kv_bytes)
+        return PlanOptions(index_topk=c.index_topk, dispatch=self.dispatch, mha_kv_bytes_per_token=kv_bytes)
 
     def plan(self, query_lens, context_lens, block_tables, input_ids=None) -> BatchPlan:
         return BatchPlan.build(query_lens, context_lens, block_tables, self.config.block_size, self.device,
-                               input_ids=input_ids, **self.plan_options())
+                               options=self.plan_options(), input_ids=input_ids)
 
     # ---- running -------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,37 +1,25 @@
 """BatchPlan: everything a step's layers read, built once per step.
 
-Rows are the step's new tokens, requests concatenated in order. A row's function is fixed by its
-own valid range ``[0, pos]``: one that exceeds ``index_topk`` attends to its top-k (sparse); any
-other row, and every row of a model without an indexer, attends to all of it (dense). The plan
-chooses only among implementations of that function:
-
-- decode rows (a request with one new token) of a model with an indexer all go through top-k +
-  sparse MLA; a row whose context fits in ``index_topk`` gets every position from the top-k (the
-  same function as dense attention), so a row's path never depends on the rest of its batch;
-  without an indexer they take the dense absorbed decode;
-- dense prefill rows take up-projected MHA (SDPA) or the absorbed kernel (``Dispatch``).
-
-The host facts (lengths, block ids, token ids) are packed into one int32 buffer and copied to the
-device in one transfer (pinned, non-blocking; an engine's runner packs into persistent pinned
-buffers, :mod:`dsa.model.staging`); every tensor of the plan is a view of it or is
-derived from it on the device, so building a plan never waits for the device. A decode-only plan
-can be padded to a bucket of rows and written into a fixed buffer (``out``): the tensors a CUDA
-graph captured are then refilled in place.
+:meth:`HostPlan.pack` checks the step's lengths, pads a decode-only step to a CUDA graph bucket,
+routes the rows (:func:`dsa.model.route.route`: which implementation serves each) and packs the
+host facts (lengths, block ids, token ids) into one int32 buffer, copied to the device in one
+transfer (pinned, non-blocking; an engine's runner packs into persistent pinned buffers,
+:mod:`dsa.engine.staging`). :meth:`HostPlan.derive` makes the device plan: every tensor of it is a
+view of that buffer or is derived from it on the device, so building a plan never waits for the
+device. A padded plan can be written into a fixed buffer (``out``): the tensors a CUDA graph
+captured are then refilled in place.
 """
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dsa.indexer.batch import DecodeRows, IndexerBatch, PrefillRows
+from dsa.indexer.batch import DecodeRows, IndexerBatch, PrefillRows, Segment
 from dsa.kernels import positions_to_slots
 from dsa.kernels.common import cdiv
-from dsa.model.dispatch import Dispatch
+from dsa.model.route import PATHS, Bucket, PlanOptions, Route, graph_bucket, route
 
-# rows served per path (engine statistics), named by the kernels that run them: with an indexer
-# every decode row runs top-k + the sparse kernel (a short row's top-k is every position); without
-# one, the dense absorbed kernel. Prefill rows whose range fits in index_topk run dense.
-PATHS = ("sparse_decode", "dense_decode", "sparse_prefill", "dense_prefill_mha", "dense_prefill_absorbed")
+__all__ = ["PATHS", "BatchPlan", "Bucket", "HostPlan", "PlanOptions"]
 
 
 class _Packer:
@@ -75,37 +63,99 @@ def _view(buf: torch.Tensor, spec: tuple) -> torch.Tensor:
     return buf[offset:offset + n].view(shape)
 
 
-def _block_array(block_tables, batch: int, width: int | None) -> np.ndarray:
-    """``[batch, width]`` int32 block tables (width: the longest row, or a graph bucket's: columns
-    past it are never read, S <= width * P), from a 2-D array or one sequence per request."""
+def _block_array(block_tables, batch: int, width: int | None, num_rows: int) -> np.ndarray:
+    """``[num_rows, width]`` int32 block tables (width: the longest row, or a graph bucket's: columns
+    past it are never read, S <= width * P; rows past ``batch``: padding, zeros), from a 2-D array
+    or one sequence per request."""
     if isinstance(block_tables, (torch.Tensor, np.ndarray)):
         tables = block_tables.detach().cpu().numpy() if isinstance(block_tables, torch.Tensor) else block_tables
         if tables.ndim != 2 or tables.shape[0] != batch:
             raise ValueError(f"block_tables: expected [B={batch}, MB], got {list(tables.shape)}")
         width = max(tables.shape[1], 1) if width is None else width
-        out = tables[:, :width].astype(np.int32, copy=False)
-        return np.pad(out, ((0, 0), (0, width - out.shape[1]))) if out.shape[1] < width else out
+        if num_rows == batch and tables.shape[1] >= width:
+            return tables[:, :width].astype(np.int32, copy=False)
+        out = np.zeros((num_rows, width), dtype=np.int32)
+        n = min(tables.shape[1], width)
+        out[:batch, :n] = tables[:, :n]
+        return out
     rows = [t if isinstance(t, np.ndarray) else np.asarray(t, dtype=np.int64).reshape(-1) for t in block_tables]
     if len(rows) != batch:
         raise ValueError(f"block_tables: expected {batch} rows (one per request), got {len(rows)}")
     width = width if width is not None else max([len(r) for r in rows] + [1])
-    out = np.zeros((batch, width), dtype=np.int32)
+    out = np.zeros((num_rows, width), dtype=np.int32)
     for i, r in enumerate(rows):
         n = min(len(r), width)
         out[i, :n] = r[:n]
     return out
 
 
+def _check_lengths(query_lens, context_lens) -> tuple[np.ndarray, np.ndarray]:
+    query = np.asarray(query_lens, dtype=np.int64).reshape(-1)
+    context = np.asarray(context_lens, dtype=np.int64).reshape(-1)
+    if query.shape != context.shape:
+        raise ValueError(f"context_lens: expected {len(query)} entries (one per request), got {len(context)}")
+    if (query < 1).any() or (context < 0).any():
+        raise ValueError("query_lens: every request needs >= 1 new token and context_lens >= 0")
+    return query, context
+
+
+def _check_ids(input_ids, input_src, num_tokens: int):
+    """``(ids, src)`` host arrays of ``[T]`` (None, None without ids)."""
+    if input_ids is None:
+        return None, None
+    ids = input_ids.detach().cpu().numpy() if isinstance(input_ids, torch.Tensor) else input_ids
+    ids = np.asarray(ids).reshape(-1)
+    if ids.shape[0] != num_tokens:
+        raise ValueError(f"input_ids: expected {num_tokens} ids (one per new token), got {ids.shape[0]}")
+    src = np.full(num_tokens, -1) if input_src is None else np.asarray(input_src).reshape(-1)
+    if src.shape[0] != num_tokens:
+        raise ValueError(f"input_src: expected {num_tokens} entries (one per new token), got {src.shape[0]}")
+    return ids, src
+
+
+def _choose_bucket(query: np.ndarray, longest: int, block_size: int, bucket: Bucket | None,
+                   graphs: bool) -> Bucket | None:
+    """The bucket to pad to: the one given (checked), the step's own with ``graphs``, else None."""
+    if graphs:
+        if bucket is not None:
+            raise ValueError("bucket: give a bucket or graphs=True, not both")
+        return graph_bucket(query, longest, block_size)
+    if bucket is None:
+        return None
+    if not isinstance(bucket, Bucket):
+        raise TypeError(f"bucket: expected a Bucket, got {type(bucket).__name__}")
+    if (query != 1).any() or bucket.rows < len(query):
+        raise ValueError(f"bucket: padding needs a decode-only step of <= {bucket.rows} requests, "
+                         f"got query_lens {query.tolist()}")
+    if bucket.max_seq_len < longest:
+        raise ValueError(f"bucket: max_seq_len must be >= the longest request ({longest}), got {bucket.max_seq_len}")
+    return bucket
+
+
+def _pad(query, context, seq, ids, src, rows: int):
+    """The step padded to ``rows`` requests: one new token, nothing cached, nothing visible (S = 0),
+    id 0 (read from nowhere)."""
+    pad = rows - len(query)
+    if not pad:
+        return query, context, seq, ids, src
+    query, context = np.concatenate((query, np.ones(pad, np.int64))), np.concatenate((context, np.zeros(pad, np.int64)))
+    seq = np.concatenate((seq, np.zeros(pad, np.int64)))
+    if ids is not None:
+        ids, src = np.concatenate((ids, np.zeros(pad, ids.dtype))), np.concatenate((src, np.full(pad, -1)))
+    return query, context, seq, ids, src
+
+
 @dataclass
 class BatchPlan:
     """One step's plan on the device: the rows (``T`` new tokens of ``B`` requests, concatenated),
-    where each row's latent row and indexer key go, each request's block table and length, the
-    rows each path serves, and the typed views the indexer reads. Built once per step by
-    :meth:`build` (or derived from a graph's buffer) and read by every layer; never synced."""
+    where each row's latent row and indexer key go, each request's block table and length, how the
+    rows are routed, and the typed views the indexer reads. Built once per step by :meth:`build`
+    (or derived from a graph's buffer) and read by every layer; never synced."""
     query_lens: tuple  # host: new tokens per request
     context_lens: tuple  # host: tokens already cached per request
     block_size: int
     max_seq_len: int  # host: an upper bound of seq_lens
+    route: Route  # host: which path serves which rows (flags, segments, rows per path, MHA workspace)
     input_ids: torch.Tensor | None  # [T] int32 (when built with ids)
     positions: torch.Tensor  # [T] int32, request-local
     slot_mapping: torch.Tensor  # [T] int32, where each row's latent row and indexer key go (-1: nowhere)
@@ -114,30 +164,22 @@ class BatchPlan:
     seq_lens: torch.Tensor  # [B] int32, context + new tokens
     logits_rows: torch.Tensor  # [B] int64, each request's last row
     indexer: IndexerBatch  # what the indexer layers read
-    decode: DecodeRows | None  # the decode rows (also indexer.decode)
+    decode: DecodeRows | None  # the decode rows (route.decode_reqs)
     sparse_prefill_rows: torch.Tensor | None  # [rows] int64 rows of indexer.prefill, in order
-    mha: tuple  # PrefillRows: dense prefill rows through up-projected MHA
-    absorbed: tuple  # PrefillRows: dense prefill rows through the absorbed kernel
-    rows: dict  # host: rows per PATHS entry
-    workspace_bytes: int  # host: the largest MHA workspace of the step
+    mha: tuple  # PrefillRows: dense prefill rows through up-projected MHA (route.mha)
+    absorbed: tuple  # PrefillRows: dense prefill rows through the absorbed kernel (route.absorbed)
 
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
 
-    @property
-    def decode_only(self) -> bool:
-        return self.decode is not None and isinstance(self.decode.rows, slice) and \
-            self.decode.rows.stop - self.decode.rows.start == self.num_tokens
-
     @classmethod
-    def build(cls, query_lens, context_lens, block_tables, block_size: int, device, *, out: torch.Tensor | None = None,
-              **options) -> "BatchPlan":
-        """Plan one step: :meth:`HostPlan.pack` (host), one upload, :meth:`HostPlan.derive` (device).
-
-        ``out``: an int32 device buffer to build the plan in. Other keywords: :meth:`HostPlan.pack`.
-        """
-        host = HostPlan.pack(query_lens, context_lens, block_tables, block_size, device, **options)
+    def build(cls, query_lens, context_lens, block_tables, block_size: int, device, *,
+              options: PlanOptions = PlanOptions(), input_ids=None, out: torch.Tensor | None = None) -> "BatchPlan":
+        """Plan one step: :meth:`HostPlan.pack` (host), one upload (into ``out``, an int32 device
+        buffer, when given), :meth:`HostPlan.derive` (device)."""
+        host = HostPlan.pack(query_lens, context_lens, block_tables, block_size, device, options=options,
+                             input_ids=input_ids)
         return host.derive(host.upload(out))
 
 
@@ -146,7 +188,7 @@ class HostPlan:
     """A step's routing and packed int32 facts on the host; ``derive`` makes the device plan.
 
     A CUDA graph captures ``derive`` and the layers; each replay packs a new HostPlan of the same
-    ``spec`` (the same bucket), uploads it into the captured buffer and replays.
+    ``bucket`` (so the same ``spec``), uploads it into the captured buffer and replays.
     """
     query_lens: np.ndarray  # [B'] new tokens per request, padding rows included
     context_lens: np.ndarray  # [B'] tokens already cached per request
@@ -155,117 +197,55 @@ class HostPlan:
     index_topk: int | None
     max_seq_len: int
     device: torch.device
-    decode_reqs: list
-    contiguous: bool  # decode rows are rows 0 .. R-1
-    dense_segs: list  # (req, row0, row1, pos0, mha)
-    sparse_segs: list  # (req, row0, row1, pos0)
-    rows: dict
-    workspace_bytes: int
+    bucket: Bucket | None  # the CUDA graph bucket the step is padded to (None: eager shapes)
+    route: Route
     spec: dict  # name -> (offset, shape) in the packed buffer
     packer: _Packer
 
     @classmethod
-    def pack(cls, query_lens, context_lens, block_tables, block_size: int, device, *, index_topk: int | None = None,
-             dispatch: Dispatch | None = None, mha_kv_bytes_per_token: int = 0, input_ids=None,
-             input_src=None, num_rows: int | None = None, max_seq_len: int | None = None,
-             num_block_columns: int | None = None) -> "HostPlan":
-        """Route the rows and pack the step's facts; no device work.
+    def pack(cls, query_lens, context_lens, block_tables, block_size: int, device, *,
+             options: PlanOptions = PlanOptions(), input_ids=None, input_src=None, bucket: Bucket | None = None,
+             graphs: bool = False) -> "HostPlan":
+        """Check, pad, route and pack the step's facts; no device work.
 
         Args:
             query_lens: new tokens per request (``>= 1``); context_lens: tokens already cached.
             block_tables: ``[B, MB]`` int tensor/array, or one sequence of block ids per request.
-            block_size: ``P``. index_topk: the model's ``index_topk`` (None: no indexer, all dense).
-            dispatch: speed choices between equivalent prefill implementations (None: absorbed).
-            mha_kv_bytes_per_token: bytes of up-projected K/V per context token (the MHA workspace).
+            block_size: ``P``. options: the model's :class:`PlanOptions` (default: no indexer, all
+                dense, absorbed prefill).
             input_ids: ``[T]`` token ids to upload with the plan (``plan.input_ids``), or None.
             input_src: with ``input_ids``, ``[T]`` ints: for a row whose id is still being sampled
                 by the step before (overlapped scheduling), that step's row to read it from; -1:
                 the id is in ``input_ids`` (None: all -1). Packed as ``src`` (:meth:`view`); the
                 runner copies those ids on the device before the step runs.
-            num_rows, max_seq_len, num_block_columns: a decode-only plan padded to ``num_rows``
-                requests (padding rows see nothing and write nowhere), with the paged-logits width
-                ``max_seq_len`` and block tables ``num_block_columns`` wide: a CUDA graph bucket.
+            bucket: pad this decode-only step to a CUDA graph :class:`Bucket`.
+            graphs: pad the step to its own bucket (:func:`~dsa.model.route.graph_bucket`) when it
+                has one (``host.bucket``; None: the step runs eagerly).
         """
-        device = torch.device(device)
-        q = np.asarray(query_lens, dtype=np.int64).reshape(-1)
-        c = np.asarray(context_lens, dtype=np.int64).reshape(-1)
-        if q.shape != c.shape:
-            raise ValueError(f"context_lens: expected {len(q)} entries (one per request), got {len(c)}")
-        if (q < 1).any() or (c < 0).any():
-            raise ValueError("query_lens: every request needs >= 1 new token and context_lens >= 0")
-        seq = c + q
-        tables = _block_array(block_tables, len(q), num_block_columns)
-        need = cdiv(seq, block_size)
-        if (need > tables.shape[1]).any():
-            raise ValueError(f"block_tables: expected [B={len(q)}, >= ceil(S / {block_size})] blocks per request, "
-                             f"got {list(tables.shape)} for seq_lens {seq.tolist()}")
+        if not isinstance(options, PlanOptions):
+            raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
+        query, context = _check_lengths(query_lens, context_lens)
+        seq = context + query
         longest = int(seq.max()) if len(seq) else 0
-        if max_seq_len is not None and max_seq_len < longest:
-            raise ValueError(f"max_seq_len: expected >= the longest request ({longest}), got {max_seq_len}")
-        max_seq_len = longest if max_seq_len is None else max_seq_len
-        real = len(q)
-        ids = None
-        if input_ids is not None:
-            ids = input_ids.detach().cpu().numpy() if isinstance(input_ids, torch.Tensor) else input_ids
-            ids = np.asarray(ids).reshape(-1)
-            if ids.shape[0] != int(q.sum()):
-                raise ValueError(f"input_ids: expected {int(q.sum())} ids (one per new token), got {ids.shape[0]}")
-            src = np.full(ids.shape[0], -1) if input_src is None else np.asarray(input_src).reshape(-1)
-        if num_rows is not None:
-            if (q != 1).any() or num_rows < real:
-                raise ValueError(f"num_rows: padding needs a decode-only step of <= {num_rows} requests")
-            pad = num_rows - real
-            q, c = np.concatenate((q, np.ones(pad, np.int64))), np.concatenate((c, np.zeros(pad, np.int64)))
-            seq = np.concatenate((seq, np.zeros(pad, np.int64)))  # padding rows: nothing visible
-            tables = np.concatenate((tables, np.zeros((pad, tables.shape[1]), tables.dtype)))
-            if ids is not None:
-                ids, src = np.concatenate((ids, np.zeros(pad, ids.dtype))), np.concatenate((src, np.full(pad, -1)))
-        b, t = len(q), int(q.sum())
-        row_to_req = np.repeat(np.arange(b), q)
-        first_row = np.cumsum(q) - q
-        positions = np.arange(t) - first_row[row_to_req] + c[row_to_req]
-
-        # routing: decode rows, then per prefill request its dense rows and its sparse rows
-        limit = index_topk if index_topk is not None else np.iinfo(np.int64).max
-        rows = {p: 0 for p in PATHS}
-        is_decode = q[:real] == 1
-        decode_reqs = np.flatnonzero(is_decode).tolist()
-        rows["sparse_decode" if index_topk is not None else "dense_decode"] = len(decode_reqs)
-        dense_segs, sparse_segs, workspace = [], [], 0
-        for i in np.flatnonzero(~is_decode).tolist():
-            dense = int(max(0, min(q[i], limit - c[i])))  # rows whose range [0, pos] fits in index_topk
-            if dense:
-                s = int(c[i]) + dense
-                mha = dispatch is not None and dispatch.prefill_uses_mha(dense, s, s * mha_kv_bytes_per_token)
-                dense_segs.append((i, int(first_row[i]), int(first_row[i]) + dense, int(c[i]), mha))
-                rows["dense_prefill_mha" if mha else "dense_prefill_absorbed"] += dense
-                workspace = max(workspace, s * mha_kv_bytes_per_token if mha else 0)
-            if dense < q[i]:
-                sparse_segs.append((i, int(first_row[i]) + dense, int(first_row[i] + q[i]), int(c[i]) + dense))
-                rows["sparse_prefill"] += int(q[i]) - dense
-        decode_reqs += list(range(real, b))  # padding rows are decode rows too
-
-        pack = _Packer()
-        spec = dict(positions=pack.add(positions), row_to_req=pack.add(row_to_req), valid=pack.add(positions + 1),
-                    zeros=pack.add(np.zeros(t)), seq_lens=pack.add(seq), table=pack.add(tables, tables.shape),
-                    logits_rows=pack.add(first_row + q - 1))
-        if ids is not None:
-            spec["ids"], spec["src"] = pack.add(ids), pack.add(src)
-        contiguous = decode_reqs == list(range(len(decode_reqs)))
-        if decode_reqs and not contiguous:
-            spec["decode_rows"] = pack.add(first_row[decode_reqs])
-            spec["decode_reqs"] = pack.add(decode_reqs)
-        if dense_segs:  # each dense segment's own context: its last row's position + 1
-            spec["dense_seq"] = pack.add([pos0 + r1 - r0 for _, r0, r1, pos0, _ in dense_segs])
-        sparse_rows = [r for _, r0, r1, _ in sparse_segs for r in range(r0, r1)]
-        if sparse_rows:
-            spec["sparse_rows"] = pack.add(sparse_rows)
-        return cls(q, c, real, block_size, index_topk, max_seq_len, device, decode_reqs, contiguous, dense_segs,
-                   sparse_segs, rows, workspace, spec, pack)
+        bucket = _choose_bucket(query, longest, block_size, bucket, graphs)
+        num_requests, num_rows = len(query), len(query) if bucket is None else bucket.rows
+        width = None if bucket is None else cdiv(bucket.max_seq_len, block_size)
+        tables = _block_array(block_tables, num_requests, width, num_rows)
+        if (cdiv(seq, block_size) > tables.shape[1]).any():
+            raise ValueError(f"block_tables: expected [B={num_requests}, >= ceil(S / {block_size})] blocks per "
+                             f"request, got {list(tables.shape)} for seq_lens {seq.tolist()}")
+        ids, src = _check_ids(input_ids, input_src, int(query.sum()))
+        query, context, seq, ids, src = _pad(query, context, seq, ids, src, num_rows)
+        max_seq_len = longest if bucket is None else bucket.max_seq_len
+        first_row = np.cumsum(query) - query
+        routed = route(query, context, first_row, num_requests, max_seq_len, options)
+        spec, packer = _pack(query, context, seq, first_row, tables, ids, src, routed)
+        return cls(query, context, num_requests, block_size, options.index_topk, max_seq_len, torch.device(device),
+                   bucket, routed, spec, packer)
 
     def upload(self, out: torch.Tensor | None = None, staging=None) -> torch.Tensor:
         """The packed facts on the device: one non-blocking copy (into ``out`` when given), from a
-        buffer of ``staging`` (a :class:`~dsa.model.staging.PinnedBuffers` of int32) when given, else
+        buffer of ``staging`` (a :class:`~dsa.engine.staging.PinnedBuffers` of int32) when given, else
         from one pinned for this copy."""
         return self.packer.upload(self.device, out, staging)
 
@@ -275,40 +255,83 @@ class HostPlan:
 
     def derive(self, buf: torch.Tensor) -> BatchPlan:
         """The device plan from the uploaded buffer: views, slots, per-path rows (no host sync)."""
-        spec, device, block_size = self.spec, self.device, self.block_size
+        spec, routed, device = self.spec, self.route, self.device
         block_table, seq_lens = _view(buf, spec["table"]), _view(buf, spec["seq_lens"])
         row_to_req, positions = _view(buf, spec["row_to_req"]), _view(buf, spec["positions"])
-        slot_mapping = positions_to_slots(positions[:, None], block_table, row_to_req, seq_lens, block_size)[:, 0]
-        decode = None
-        if self.decode_reqs:
-            r = len(self.decode_reqs)
-            row_ids = torch.arange(r, dtype=torch.int32, device=device)
-            if self.contiguous:
-                d_rows, d_table, d_lens = slice(0, r), block_table[:r], seq_lens[:r]
-            else:
-                reqs = _view(buf, spec["decode_reqs"]).long()
-                d_rows, d_table, d_lens = _view(buf, spec["decode_rows"]).long(), block_table[reqs], seq_lens[reqs]
-            every = None
-            if self.index_topk is not None and self.max_seq_len <= self.index_topk:  # top-k returns every position
-                every = positions_to_slots(torch.arange(self.index_topk, dtype=torch.int32, device=device)
-                                           .expand(r, -1), d_table, row_ids, d_lens, block_size)
-            decode = DecodeRows(d_rows, d_table, d_lens, row_ids, self.max_seq_len, every)
-        valid, zeros = _view(buf, spec["valid"]), _view(buf, spec["zeros"])
-        prefill = tuple(PrefillRows(i, r0, r1, pos0, block_table[i:i + 1], seq_lens[i:i + 1], valid[r0:r1])
-                        for i, r0, r1, pos0 in self.sparse_segs)
-        mha, absorbed = [], []
-        dense_seq = _view(buf, spec["dense_seq"]) if self.dense_segs else None
-        for j, (i, r0, r1, pos0, use_mha) in enumerate(self.dense_segs):
-            seq_len, slots = dense_seq[j:j + 1], None
-            if use_mha:
-                slots = positions_to_slots(torch.arange(pos0 + r1 - r0, dtype=torch.int32, device=device)[None],
-                                           block_table[i:i + 1], zeros[:1], seq_len, block_size)[0]
-            (mha if use_mha else absorbed).append(PrefillRows(i, r0, r1, pos0, block_table[i:i + 1], seq_len,
-                                                              valid[r0:r1], slots))
+        slot_mapping = positions_to_slots(positions[:, None], block_table, row_to_req, seq_lens, self.block_size)[:, 0]
+        decode = self._decode_rows(buf, block_table, seq_lens) if len(routed.decode_reqs) else None
+        every = self._every_position(decode) if routed.every_position else None
+        zeros = torch.zeros(positions.shape[0], dtype=torch.int32, device=device) \
+            if routed.sparse or routed.mha else None
+        valid = _view(buf, spec["valid"]) if "valid" in spec else None
+        dense_seq = _view(buf, spec["dense_seq"]) if "dense_seq" in spec else None  # mha, then absorbed
+        sparse = tuple(_rows(seg, block_table, seq_lens[seg.req:seg.req + 1], valid) for seg in routed.sparse)
+        mha = tuple(self._mha_rows(seg, block_table, dense_seq[j:j + 1], valid, zeros)
+                    for j, seg in enumerate(routed.mha))
+        absorbed = tuple(_rows(seg, block_table, dense_seq[j:j + 1], valid)
+                         for j, seg in enumerate(routed.absorbed, len(routed.mha)))
         b = self.num_requests
-        return BatchPlan(tuple(int(v) for v in self.query_lens[:b]), tuple(int(v) for v in self.context_lens[:b]),
-                         block_size, self.max_seq_len, _view(buf, spec["ids"]) if "ids" in spec else None, positions,
-                         slot_mapping, row_to_req, block_table, seq_lens, _view(buf, spec["logits_rows"]).long(),
-                         IndexerBatch(positions, slot_mapping, decode, prefill, zeros), decode,
-                         _view(buf, spec["sparse_rows"]).long() if "sparse_rows" in spec else None, tuple(mha),
-                         tuple(absorbed), dict(self.rows), self.workspace_bytes)
+        return BatchPlan(
+            query_lens=tuple(self.query_lens[:b].tolist()), context_lens=tuple(self.context_lens[:b].tolist()),
+            block_size=self.block_size, max_seq_len=self.max_seq_len, route=routed,
+            input_ids=_view(buf, spec["ids"]) if "ids" in spec else None, positions=positions,
+            slot_mapping=slot_mapping, row_to_req=row_to_req, block_table=block_table, seq_lens=seq_lens,
+            logits_rows=_view(buf, spec["logits_rows"]).long(),
+            indexer=IndexerBatch(positions, slot_mapping, None if every is not None else decode, every, sparse, zeros),
+            decode=decode, sparse_prefill_rows=_view(buf, spec["sparse_rows"]).long() if routed.sparse else None,
+            mha=mha, absorbed=absorbed)
+
+    def _decode_rows(self, buf, block_table, seq_lens) -> DecodeRows:
+        r = len(self.route.decode_reqs)
+        if self.route.contiguous:
+            rows, table, lens = slice(0, r), block_table[:r], seq_lens[:r]
+        else:
+            reqs = _view(buf, self.spec["decode_reqs"]).long()
+            rows, table, lens = _view(buf, self.spec["decode_rows"]).long(), block_table[reqs], seq_lens[reqs]
+        return DecodeRows(rows, table, lens, torch.arange(r, dtype=torch.int32, device=self.device), self.max_seq_len)
+
+    def _every_position(self, d: DecodeRows) -> torch.Tensor:
+        """``[R, K]`` slots of positions ``0 .. K-1`` of each decode row (-1 past S): top-k's answer
+        when every context fits in ``index_topk``."""
+        k = torch.arange(self.index_topk, dtype=torch.int32, device=self.device)
+        return positions_to_slots(k.expand(len(d.row_ids), -1), d.block_table, d.row_ids, d.seq_lens, self.block_size)
+
+    def _mha_rows(self, seg: Segment, block_table, seq_len, valid, zeros) -> PrefillRows:
+        """A dense MHA segment with the slots of its keys and, behind a prefix, its SDPA mask: built
+        here once for every layer."""
+        keys = torch.arange(seg.num_keys, dtype=torch.int32, device=self.device)
+        slots = positions_to_slots(keys[None], block_table[seg.req:seg.req + 1], zeros[:1], seq_len, self.block_size)[0]
+        mask = None  # no prefix: SDPA's is_causal (top-left and bottom-right alignment coincide)
+        if seg.pos0:  # query i sits at position pos0 + i and sees keys [0, pos0 + i]: bottom-right aligned
+            mask = keys[None, :] <= (seg.pos0 + torch.arange(seg.num_rows, device=self.device))[:, None]
+        return _rows(seg, block_table, seq_len, valid, slots, mask)
+
+
+def _rows(seg: Segment, block_table, seq_len, valid, slots=None, mask=None) -> PrefillRows:
+    """``seg`` with its views: its request's table row, ``seq_len`` ``[1]``, its rows' valid lengths."""
+    return PrefillRows(seg.req, seg.row0, seg.row1, seg.pos0, block_table[seg.req:seg.req + 1], seq_len,
+                       valid[seg.rows], slots, mask)
+
+
+def _pack(query, context, seq, first_row, tables, ids, src, routed: Route) -> tuple[dict, _Packer]:
+    """The packed buffer's layout (name -> (offset, shape)) and its host parts: the facts every
+    step needs, then only those its routing reads."""
+    num_tokens = int(query.sum())
+    row_to_req = np.repeat(np.arange(len(query)), query)
+    positions = np.arange(num_tokens) - first_row[row_to_req] + context[row_to_req]
+    pack = _Packer()
+    spec = dict(positions=pack.add(positions), row_to_req=pack.add(row_to_req), seq_lens=pack.add(seq),
+                table=pack.add(tables, tables.shape), logits_rows=pack.add(first_row + query - 1))
+    if ids is not None:
+        spec["ids"], spec["src"] = pack.add(ids), pack.add(src)
+    if len(routed.decode_reqs) and not routed.contiguous:
+        spec["decode_rows"] = pack.add(first_row[routed.decode_reqs])
+        spec["decode_reqs"] = pack.add(routed.decode_reqs)
+    dense = routed.mha + routed.absorbed
+    if dense or routed.sparse:
+        spec["valid"] = pack.add(positions + 1)
+    if dense:  # each dense segment's own context: its last row's position + 1
+        spec["dense_seq"] = pack.add([seg.num_keys for seg in dense])
+    if routed.sparse:
+        spec["sparse_rows"] = pack.add(routed.sparse_rows)
+    return spec, pack
