@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from dsa.config import DSAConfig
+from dsa.model.plan import PlanOptions
 
 VOCAB = 64
 _WEIGHTS = np.random.default_rng(0).integers(1, 1 << 20, 4096)  # per position
@@ -61,8 +62,8 @@ class StubModel:
     def allocate_caches(self, num_blocks: int) -> StubCaches:
         return StubCaches(num_blocks, self.config.block_size)
 
-    def plan_options(self) -> dict:
-        return dict(index_topk=None)  # every row dense: no indexer routing to plan
+    def plan_options(self) -> PlanOptions:
+        return PlanOptions(index_topk=None)  # every row dense: no indexer routing to plan
 
     def step(self, plan, caches: StubCaches, logits_rows=None) -> torch.Tensor:
         self.steps += 1

@@ -11,9 +11,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_LINES = 80
-# Functions still over MAX_LINES that other work is splitting; this list only shrinks, to empty
-# (test_the_allowed_functions_are_still_too_long fails for an entry that no longer needs to be here).
-ALLOWED = {("dsa/model/plan.py", "HostPlan.pack")}
 
 
 def function_lengths(source: str) -> dict:
@@ -66,14 +63,6 @@ def test_function_lengths_measures_every_function(source, want):
 
 
 def test_no_function_is_longer_than_the_limit():
-    over = {key: lines for key, lines in too_long().items() if key not in ALLOWED}
+    over = too_long()
     assert not over, (f"functions over {MAX_LINES} lines (split each into plain functions doing one job): "
                       + ", ".join(f"{f}:{name}:{lines}" for (f, name), lines in sorted(over.items())))
-
-
-@pytest.mark.parametrize("key", sorted(ALLOWED), ids=[f"{f}:{name}" for f, name in sorted(ALLOWED)])
-def test_the_allowed_functions_are_still_too_long(key):
-    path, name = key
-    lines = function_lengths((ROOT / path).read_text()).get(name) if (ROOT / path).exists() else None
-    assert lines is not None and lines > MAX_LINES, \
-        f"{path}:{name} is {'gone' if lines is None else f'{lines} lines'}: remove it from ALLOWED"
