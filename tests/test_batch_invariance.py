@@ -12,8 +12,6 @@ import dsa.indexer.lightning as lightning
 from dsa import DSAConfig, DSAModel, Engine
 from tests.model_utils import prompt
 
-pytestmark = pytest.mark.slow
-
 LENGTHS = (37, 9, 20, 52, 16, 30)  # around index_topk=16: dense, sparse, and prompts crossing it
 NEW = 6
 
