@@ -1,4 +1,5 @@
-"""Test setup: Triton's CPU interpreter when no GPU is present, made to round like the GPU.
+"""Test setup: one CPU thread per process, and Triton's CPU interpreter when no GPU is present, made
+to round like the GPU.
 
 ``TRITON_INTERPRET=1`` must be set before ``dsa.kernels`` (and Triton's jit) is imported, so
 it is set here, at the top of the first module pytest loads. Under the interpreter Triton
@@ -8,6 +9,13 @@ multiplies bit patterns, fp32->bf16 truncates, fp32->e4m3 rounds wrongly; triton
 nearest even, as the GPU) and upcasts bf16 dot operands to fp32. Test harness only.
 """
 import os
+
+# One intra-op thread in every test process (its children, servers and torchrun ranks, inherit it):
+# the tensors are tiny, and on a shared 2-core machine torch's pool of one thread per CPU spins while
+# a peer thread waits for a core (beside two busy processes, two batch-invariance tests took 15 s and
+# 17 s of CPU with two threads, 6 s and 7 s with one). Set before torch loads its OpenMP runtime; a
+# count the caller set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch

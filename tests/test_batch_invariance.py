@@ -12,8 +12,6 @@ import dsa.indexer.lightning as lightning
 from dsa import DSAConfig, DSAModel, Engine
 from tests.model_utils import prompt
 
-pytestmark = pytest.mark.slow
-
 LENGTHS = (37, 9, 20, 52, 16, 30)  # around index_topk=16: dense, sparse, and prompts crossing it
 NEW = 6
 
@@ -36,14 +34,18 @@ def _prompts():
     return [prompt(n, 100 + i) for i, n in enumerate(LENGTHS)]
 
 
-def test_tokens_do_not_depend_on_the_batch(model):
+@pytest.fixture(scope="module")
+def alone(model):
+    """Each prompt's greedy tokens, generated alone (both tests compare against them)."""
+    return [Engine(model, num_blocks=64).generate([p], NEW)[0] for p in _prompts()]
+
+
+def test_tokens_do_not_depend_on_the_batch(model, alone):
     prompts = _prompts()
-    alone = [Engine(model, num_blocks=64).generate([p], NEW)[0] for p in prompts]
-    variants = {
+    variants = {  # "batched" runs at the default max_batch_tokens (8192: every prompt in one step)
         "batched": lambda: Engine(model, num_blocks=64).generate(prompts, NEW),
         "reversed": lambda: Engine(model, num_blocks=64).generate(prompts[::-1], NEW)[::-1],
         "max_batch_tokens=7": lambda: Engine(model, num_blocks=64, max_batch_tokens=7).generate(prompts, NEW),
-        "max_batch_tokens=8192": lambda: Engine(model, num_blocks=64, max_batch_tokens=8192).generate(prompts, NEW),
         "small pool": lambda: Engine(model, num_blocks=5).generate(prompts, NEW),  # 80 tokens: requests wait
     }
     for name, run in variants.items():
@@ -72,9 +74,8 @@ def _kth_gaps(model, ids, k):
     return gaps
 
 
-def test_greedy_decode_matches_the_full_forward(model):
-    for p in _prompts():
-        out = Engine(model, num_blocks=16).generate([p], NEW)[0]
+def test_greedy_decode_matches_the_full_forward(model, alone):
+    for p, out in zip(_prompts(), alone):
         ids = torch.tensor([p + out])
         logits = model(ids)[0, len(p) - 1:-1]  # [NEW, vocab]: the logits each generated token came from
         top2 = logits.topk(2, dim=-1).values

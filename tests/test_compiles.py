@@ -45,19 +45,19 @@ ENTRY_KERNELS = {
         tables={"slots_ptr", "block_table_ptr", "seq_lens_ptr"}),
     ("sparse_mla_hopper", "_mla_hopper_kernel"): dict(
         fixed={"scale_log2"}, tables={"slots_ptr", "block_table_ptr", "seq_lens_ptr"}),
-    ("topk", "_scan_kernel"): dict(
+    ("topk.launch", "_scan_kernel"): dict(
         fixed={"stride_o", "P", "k"}, tables={"lengths_ptr", "starts_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"}),
-    ("topk", "_finish_kernel"): dict(
+    ("topk.launch", "_finish_kernel"): dict(
         fixed={"stride_o", "P", "k"}, tables={"lengths_ptr", "starts_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"}),
-    ("topk_select", "_place_kernel"): dict(
+    ("topk.launch", "_place_kernel"): dict(
         fixed={"stride_o", "P", "k"}, tables={"lengths_ptr", "starts_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"}),
 }
 
 
 def _launched_kernels() -> set:
-    """Names of the kernels launched as ``name[grid](...)`` / ``name[(...)](...)`` in kernels/."""
+    """Names of the kernels launched as ``name[grid](...)`` / ``name[(...)](...)`` in kernels/ (its subpackages too)."""
     found = set()
-    for path in (ROOT / "kernels").glob("*.py"):
+    for path in (ROOT / "kernels").rglob("*.py"):
         found.update(re.findall(r"\b(_\w+_kernel)\[(?:grid\]|\()", path.read_text()))
     return found
 

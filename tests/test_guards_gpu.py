@@ -17,7 +17,7 @@ import torch
 
 from dsa import kernels as K
 from dsa.cache import IndexerKeyCache, gather_indexer_keys
-from dsa.testing import Guarded
+from kernel_utils import Guarded
 
 pytestmark = pytest.mark.gpu
 P, NB = 64, 6

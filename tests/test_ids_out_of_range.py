@@ -11,7 +11,7 @@ import torch
 
 from dsa import kernels as K
 from dsa.cache import IndexerKeyCache, gather_indexer_keys, write_indexer_keys
-from dsa.testing import Guarded
+from kernel_utils import Guarded
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 I32 = dict(dtype=torch.int32, device=DEVICE)

@@ -10,7 +10,8 @@ import torch
 
 from dsa import kernels as K
 from dsa.kernels.layouts import indexer_cache_views
-from dsa.testing import owned_slots, poison_unowned_indexer_rows, random_block_tables
+from dsa.testing import random_block_tables
+from kernel_utils import owned_slots, poison_unowned_indexer_rows
 from test_indexer_kernels import assert_logits_match
 
 pytestmark = pytest.mark.gpu

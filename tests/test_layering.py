@@ -39,10 +39,11 @@ def _folder(package: str) -> pathlib.Path:
 
 
 PACKAGES = {p: _folder(p) for p in SETUPTOOLS["packages"]}  # "dsa.kernels" -> ROOT / "kernels"
-SOURCES = {  # layer -> its source files: each subpackage of dsa, and each module of dsa itself
-    **{p.split(".")[1]: sorted(folder.glob("*.py")) for p, folder in PACKAGES.items() if p != "dsa"},
-    **{f.stem: [f] for f in PACKAGES["dsa"].glob("*.py") if f.name not in ("__init__.py", "__main__.py")},
-}
+SOURCES = {}  # layer -> its source files: each subpackage of dsa (with its own subpackages), and each module of dsa
+for _package_name, _folder_path in sorted(PACKAGES.items()):
+    if _package_name != "dsa":
+        SOURCES.setdefault(_package_name.split(".")[1], []).extend(sorted(_folder_path.glob("*.py")))
+SOURCES.update({f.stem: [f] for f in PACKAGES["dsa"].glob("*.py") if f.name not in ("__init__.py", "__main__.py")})
 BELOW = {"kernels": [], "cache": ["kernels"], "indexer": ["kernels", "cache", "config"]}
 BELOW["model"] = BELOW["indexer"] + ["indexer"]
 BELOW["engine"] = BELOW["model"] + ["model"]
@@ -245,20 +246,41 @@ def test_command_line_code_is_found(text, want):
     assert command_line_code(text) == want, f"{text!r}: {command_line_code(text)}, want {want}"
 
 
+KERNELS = ROOT / "kernels"
+
+
+def _kernel_module(path: pathlib.Path) -> str:
+    """A kernels module's name below ``dsa.kernels``: ``topk.launch``; a package's ``__init__.py`` is the
+    package (``topk``; ``kernels/__init__.py`` is ``""``)."""
+    parts = path.relative_to(KERNELS).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def _kernel_imports(path: pathlib.Path) -> dict:
-    """``{kernels module: names}`` a kernels module imports from its siblings (anywhere in it), the names
-    it reaches through ``from . import m as alias`` (``alias.name``) included."""
+    """``{kernels module: names}`` a kernels module imports from the other kernels modules (anywhere in it),
+    the names it reaches through ``from . import m as alias`` (``alias.name``) included; modules named as
+    :func:`_kernel_module` names them."""
+    package = path.relative_to(KERNELS).parent.parts  # ("topk",) inside kernels/topk/, () in kernels/
     tree = ast.parse(path.read_text())
     found, aliases = {}, {}
+
+    def module(level: int, name: str | None) -> str:
+        base = package[:len(package) + 1 - level] if level else ()
+        return ".".join(base + (tuple(name.split(".")) if name else ()))
+
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-            found.setdefault(node.module, set()).update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("dsa.kernels."):
-            found.setdefault(node.module.split(".")[2], set()).update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 1:  # from . import m [as alias]
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level == 0 and not (node.module or "").startswith("dsa.kernels."):
+            continue
+        if node.level == 0:
+            found.setdefault(node.module[len("dsa.kernels."):], set()).update(a.name for a in node.names)
+        elif node.module:
+            found.setdefault(module(node.level, node.module), set()).update(a.name for a in node.names)
+        else:  # from . import m [as alias]
             for a in node.names:
-                found.setdefault(a.name, set())
-                aliases[a.asname or a.name] = a.name
+                found.setdefault(module(node.level, a.name), set())
+                aliases[a.asname or a.name] = module(node.level, a.name)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
             found[aliases[node.value.id]].add(node.attr)
@@ -267,7 +289,7 @@ def _kernel_imports(path: pathlib.Path) -> dict:
 
 def test_kernel_modules_import_no_loop():
     """The kernels modules import each other without a cycle (function-level imports included)."""
-    graph = {p.stem: set(_kernel_imports(p)) for p in (ROOT / "kernels").glob("*.py")}
+    graph = {_kernel_module(p): set(_kernel_imports(p)) for p in KERNELS.rglob("*.py")}
     state = {}
 
     def visit(m, path):
@@ -283,17 +305,26 @@ def test_kernel_modules_import_no_loop():
         visit(module, [])
 
 
+def test_kernel_modules_use_only_public_names_of_each_other():
+    """A name one kernels module takes from another is public there (``kernels/topk/`` is a package so
+    that the pieces of one op share names without reaching into each other's privates)."""
+    private = {f"{_kernel_module(p) or '__init__'} <- {module}": sorted(n for n in names if n.startswith("_"))
+               for p in KERNELS.rglob("*.py") for module, names in _kernel_imports(p).items()}
+    private = {edge: names for edge, names in private.items() if names}
+    assert not private, f"private names imported across kernels modules: {private}"
+
+
 def test_mla_launchers_share_mla_split_not_each_other():
     """The split heuristic, the partial buffers and the combine kernel live in ``kernels/mla_split.py``:
     the Hopper launcher never imports the portable one, and the modules that route to the Hopper kernel
     (``sparse_mla``, ``dense_mla_decode``) use only its public names."""
-    hopper = _kernel_imports(ROOT / "kernels" / "sparse_mla_hopper.py")
+    hopper = _kernel_imports(KERNELS / "sparse_mla_hopper.py")
     assert not {"sparse_mla", "dense_mla_decode"} & set(hopper), sorted(hopper)
     assert "mla_split" in hopper
-    split = _kernel_imports(ROOT / "kernels" / "mla_split.py")
+    split = _kernel_imports(KERNELS / "mla_split.py")
     assert not {"sparse_mla", "sparse_mla_hopper", "dense_mla_decode"} & set(split), sorted(split)
     for name in ("sparse_mla.py", "dense_mla_decode.py"):
-        used = _kernel_imports(ROOT / "kernels" / name).get("sparse_mla_hopper", set())
+        used = _kernel_imports(KERNELS / name).get("sparse_mla_hopper", set())
         assert used and not {u for u in used if u.startswith("_")}, \
             f"kernels/{name} uses {sorted(used)} of sparse_mla_hopper"
 

@@ -5,7 +5,8 @@ import torch
 from dsa import kernels as K
 from dsa.kernels.common import TRITON_INTERPRET
 from dsa.kernels.slots import positions_to_slots_reference
-from dsa.testing import owned_slots, poison_unowned_rows, random_block_tables
+from dsa.testing import random_block_tables
+from kernel_utils import owned_slots, poison_unowned_rows
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not TRITON_INTERPRET,
                                 reason="interpreter tests run on CPU with TRITON_INTERPRET=1")

@@ -9,7 +9,8 @@ import torch
 from dsa import kernels as K
 from dsa.kernels import sparse_mla_hopper as hopper
 from dsa.kernels.slots import positions_to_slots_reference
-from dsa.testing import owned_slots, poison_unowned_rows, random_block_tables
+from dsa.testing import random_block_tables
+from kernel_utils import owned_slots, poison_unowned_rows
 
 pytestmark = pytest.mark.gpu
 P = 64

@@ -209,14 +209,14 @@ def test_needle_cli_json_figure_and_errors(tiny, tmp_path, capsys):
     np.save(tmp_path / "filler.npy", prose(teacher.tokenizer, 3000)["prose"].astype(np.uint16))
     for i in (0, 1):
         save_indexer(LightningIndexer(indexer_config(teacher.config, 2)), i, str(tmp_path / "idx"), {"teacher": "tiny"})
-    out = tmp_path / "out"
+    out = tmp_path / "out"  # 617 tokens: the shortest that holds a multikey sample in this tokenizer
     assert main(["needle", "--gguf", str(path), "--indexers", str(tmp_path / "idx"), "--text", str(tmp_path / "filler.npy"),
-                 "--lengths", "768,1024", "--samples", "2", "--device", "cpu", "--out", str(out)]) == 0
+                 "--lengths", "617,700", "--samples", "2", "--device", "cpu", "--out", str(out)]) == 0
     result = json.loads((out / "needle.json").read_text())
-    assert result["command"].startswith("dsa needle --gguf") and result["args"]["lengths"] == [768, 1024]
-    assert len(result["records"]) == 3 * 2 * 2 and {r["k"] for r in result["records"]} == {48, 64}
+    assert result["command"].startswith("dsa needle --gguf") and result["args"]["lengths"] == [617, 700]
+    assert len(result["records"]) == 3 * 2 * 2 and {r["k"] for r in result["records"]} == {38, 43}
     rows = result["summary"]["by_task_length"]
-    assert [(r["task"], r["length"]) for r in rows] == [(t, n) for t in choices.TASKS for n in (768, 1024)]
+    assert [(r["task"], r["length"]) for r in rows] == [(t, n) for t in choices.TASKS for n in (617, 700)]
     for r in rows:
         assert set(r["rules"]) == set(choices.RULES) and r["n"] == 2
         for c in r["rules"].values():

@@ -16,7 +16,8 @@ from dsa.kernels import (
     topk_slots_reference,
     yarn_cos_sin,
 )
-from dsa.testing import calc_diff, owned_slots, poison_unowned_indexer_rows, poison_unowned_rows, random_block_tables
+from dsa.testing import calc_diff, random_block_tables
+from kernel_utils import owned_slots, poison_unowned_indexer_rows, poison_unowned_rows
 
 
 def test_absorption_identity_float64():

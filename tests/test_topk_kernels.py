@@ -9,7 +9,9 @@ import torch
 
 from dsa import kernels as K
 from dsa.kernels.slots import positions_to_slots_reference
-from dsa.kernels.topk import _order_key, _topk_triton, topk_indices_reference
+from dsa.kernels.topk import topk_indices_reference
+from dsa.kernels.topk.launch import topk_triton
+from dsa.kernels.topk.reference import order_key
 
 SMALL = dict(block=64, programs=24, min_chunk=64)
 POISON = -7  # never a valid output: rows must overwrite every element
@@ -34,7 +36,7 @@ def check_topk(out, logits, lengths, k, starts=None, ref=None):
     long_rows = (~dense).nonzero().flatten()
     if len(long_rows) == 0:
         return
-    keys = _order_key(logits)[long_rows]  # [R', L] int64, a total order (NaN by its bits)
+    keys = order_key(logits)[long_rows]  # [R', L] int64, a total order (NaN by its bits)
     cols = torch.arange(width, device=logits.device)
     s, n = st[long_rows, None], ln[long_rows, None]
     valid = (cols >= s) & (cols < s + n)
@@ -87,13 +89,13 @@ def test_adversarial_rows_are_exact_as_positions_and_slots():
     logits, lengths, starts = adversarial_rows(width, k, g)
     r = logits.shape[0]
     pos = torch.full((r, k), POISON, dtype=torch.int32)
-    _topk_triton(logits, lengths, k, starts, out=pos, **SMALL)
+    topk_triton(logits, lengths, k, starts, out=pos, **SMALL)
     check_topk(pos, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
     table = torch.randperm(40 * r, generator=g)[:29 * r].view(r, 29).to(torch.int32)  # 29 * 16 < 501
     row_to_req = torch.arange(r, dtype=torch.int32).flip(0)
     seq_lens = torch.full((r,), width, dtype=torch.int32)
     out = torch.full((r, k), POISON, dtype=torch.int32)
-    _topk_triton(logits, lengths, k, starts, (table, row_to_req, seq_lens, p), out=out, **SMALL)
+    topk_triton(logits, lengths, k, starts, (table, row_to_req, seq_lens, p), out=out, **SMALL)
     assert torch.equal(out, positions_to_slots_reference(pos, table, row_to_req, seq_lens, p))
 
 
@@ -107,7 +109,7 @@ def test_edge_lengths_and_starts(k):
     logits = torch.randn(len(lengths), width, generator=g)
     logits[::3] = (logits[::3] * 4).round()  # ties at the threshold
     out = torch.full((len(lengths), k), POISON, dtype=torch.int32)
-    _topk_triton(logits, lengths, k, starts, out=out, **SMALL)
+    topk_triton(logits, lengths, k, starts, out=out, **SMALL)
     check_topk(out, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
 
 
@@ -115,7 +117,7 @@ def test_rows_narrower_than_k_take_one_pass():
     logits = torch.randn(5, 20)
     lengths = torch.tensor([20, 0, 7, 25, 19], dtype=torch.int32)
     out = torch.full((5, 24), POISON, dtype=torch.int32)
-    _topk_triton(logits, lengths, 24, None, out=out, **SMALL)
+    topk_triton(logits, lengths, 24, None, out=out, **SMALL)
     assert torch.equal(out, topk_indices_reference(logits, lengths, 24))
 
 
@@ -173,7 +175,7 @@ def test_tied_row_selects_the_same_set_at_any_padding_and_batch(kind, backend):
             logits[r, shift:shift + width] = row
             logits[r, shift + width:] = float("inf")  # and after it: never selected, it is outside
         if backend == "triton":
-            out = _topk_triton(logits, lengths, k, starts, **SMALL)
+            out = topk_triton(logits, lengths, k, starts, **SMALL)
         else:
             out = K.topk_indices(logits, lengths, k, starts, backend="torch")
         for r, shift in enumerate(shifts):
@@ -186,7 +188,7 @@ def test_ties_go_to_the_lowest_positions():
     logits[1] = float("nan")  # +NaN everywhere: equal bit patterns tie; the first k positions
     lengths = torch.tensor([100, 100], dtype=torch.int32)
     want = [list(range(10)) + list(range(50, 100)), list(range(60))]
-    for out in (K.topk_indices_reference(logits, lengths, 60), _topk_triton(logits, lengths, 60, None, **SMALL)):
+    for out in (K.topk_indices_reference(logits, lengths, 60), topk_triton(logits, lengths, 60, None, **SMALL)):
         assert [sorted(r) for r in out.tolist()] == want
 
 
@@ -217,7 +219,7 @@ def test_every_path_is_exact():
     lengths += [width] * 4
     logits, lengths = torch.stack(rows), torch.tensor(lengths, dtype=torch.int32)
     scratch = {}
-    out = _topk_triton(logits, lengths, k, None, out=torch.full((len(rows), k), POISON, dtype=torch.int32),
+    out = topk_triton(logits, lengths, k, None, out=torch.full((len(rows), k), POISON, dtype=torch.int32),
                        scratch=scratch, sample=sample, **SMALL)
     check_topk(out, logits, lengths, k, ref=topk_indices_reference(logits, lengths, k))
     regions = scratch["hist"]  # [R, C, 256]
@@ -239,19 +241,20 @@ def test_finish_tile_shapes_cover_every_tile_the_launcher_picks(k, max_width, ma
     picks a tile in that set (so no tile compiles after warm-up)."""
     import triton
 
-    from dsa.kernels.topk import _MIN_CHUNK, _PROGRAMS, _SAMPLE, finish_tile_shapes
-    from dsa.kernels.topk_select import _finish_tiles
+    from dsa.kernels.topk import finish_tile_shapes
+    from dsa.kernels.topk.launch import MIN_CHUNK, PROGRAMS, SAMPLE
+    from dsa.kernels.topk.regions import finish_tiles
     shapes = finish_tile_shapes(k, max_width, max_rows)
     g = torch.Generator().manual_seed(k)
     widths = torch.randint(k + 1, max_width + 1, (300,), generator=g).tolist() + [k + 1, max_width]
     for width in widths:
         for r in {1, max_rows, int(torch.randint(1, max_rows + 1, (1,), generator=g))}:
-            chunks = max(1, min(triton.cdiv(width, _MIN_CHUNK), triton.cdiv(_PROGRAMS, r)))
-            tile = _finish_tiles(k, width, _SAMPLE, chunks)
+            chunks = max(1, min(triton.cdiv(width, MIN_CHUNK), triton.cdiv(PROGRAMS, r)))
+            tile = finish_tiles(k, width, SAMPLE, chunks)
             assert tile in shapes, (r, width, tile, sorted(shapes))
     for (fast, cb, w), (r, width) in shapes.items():  # each representative picks its own tile
-        chunks = max(1, min(triton.cdiv(width, _MIN_CHUNK), triton.cdiv(_PROGRAMS, r)))
-        assert _finish_tiles(k, width, _SAMPLE, chunks) == (fast, cb, w) and r <= max_rows and width <= max_width
+        chunks = max(1, min(triton.cdiv(width, MIN_CHUNK), triton.cdiv(PROGRAMS, r)))
+        assert finish_tiles(k, width, SAMPLE, chunks) == (fast, cb, w) and r <= max_rows and width <= max_width
 
 
 def test_warm_topk_slots_launches_each_tile_once():

@@ -11,7 +11,8 @@ import torch
 
 from dsa import kernels as K
 from dsa.kernels.slots import positions_to_slots_reference
-from dsa.kernels.topk import _SAMPLE, _topk_triton, topk_indices_reference
+from dsa.kernels.topk import topk_indices_reference
+from dsa.kernels.topk.launch import SAMPLE, topk_triton
 from dsa.testing import random_block_tables
 from test_topk_kernels import _sampled_columns, adversarial_rows, check_topk
 
@@ -127,7 +128,7 @@ def test_rows_built_against_the_sample():
     above the sampled band, every column ties, the row ascends: each path stays exact."""
     g = torch.Generator().manual_seed(3)
     width, k = 65536, 2048
-    sampled = _sampled_columns(width, _SAMPLE)
+    sampled = _sampled_columns(width, SAMPLE)
     bait = torch.randn(width, generator=g)
     bait[sampled] = 100 + torch.arange(len(sampled)).float()
     far = 1 + torch.rand(width, generator=g) * 0.1
@@ -137,7 +138,7 @@ def test_rows_built_against_the_sample():
     logits = torch.stack((bait, far, torch.full((width,), 3.0), torch.arange(width).float())).cuda()
     lengths = torch.full((4,), width, dtype=torch.int32, device="cuda")
     scratch = {}
-    out = _topk_triton(logits, lengths, k, None, scratch=scratch)
+    out = topk_triton(logits, lengths, k, None, scratch=scratch)
     check_topk(out, logits, lengths, k, ref=topk_indices_reference(logits, lengths, k))
     hist = scratch["hist"].sum(1).cpu()  # [4, 256] the rows' histograms
     assert hist[0].sum() < k, "the baited row must fail the guess"

@@ -8,7 +8,7 @@ host-side launch cost, so it is also timed replayed from a CUDA graph (``+graph`
 import torch
 
 from dsa.kernels import topk_indices, topk_indices_reference, topk_slots
-from dsa.kernels.topk import _topk_triton
+from dsa.kernels.topk.launch import topk_triton
 from dsa.testing import random_block_tables
 
 from .harness import result_row
@@ -17,7 +17,7 @@ K = 2048
 P = 64
 TARGET_US = {(64, 65536): 20.0, (64, 131072): 30.0, (1, 131072): 20.0}  # issue #16, graph replay
 VARIANTS = [dict(sample=1024, programs=132), dict(sample=1024, programs=132, block=2048), dict(sample=1024),
-            dict(programs=132), dict(block=2048)]  # each against the defaults of _topk_triton
+            dict(programs=132), dict(block=2048)]  # each against the defaults of topk_triton
 
 
 def _check(out, logits, lengths):
@@ -50,7 +50,7 @@ def run(device, timer, ceilings, args) -> list:
             rows.append(result_row("topk_slots", "triton+graph", dict(shape, P=P), timer(op, graph=True), ceilings,
                                    bytes_moved=nbytes, target_us=target * 1.1))
         for knobs in VARIANTS if getattr(args, "variants", False) else []:
-            op = lambda: _topk_triton(logits, lengths, K, None, **knobs)  # noqa: E731
+            op = lambda: topk_triton(logits, lengths, K, None, **knobs)  # noqa: E731
             _check(op(), logits, lengths)
             rows.append(result_row("topk_indices", "triton+graph " + " ".join(f"{k}={v}" for k, v in knobs.items()),
                                    shape, timer(op, graph=True), ceilings, bytes_moved=nbytes))

@@ -3,8 +3,8 @@
 ``demo-cpu``: 2 layers with the V3.2 latent (512 + 64) and indexer (64 heads x 128) shapes, hidden
 1024, 16 heads, dense MLP, ``index_topk=512``, so sparse attention runs at a 4K context.
 ``demo-gpu``: 4 layers with full V3.2 attention shapes (hidden 7168, 128 heads, 64 indexer heads,
-``index_topk=2048``). Both use the byte-level tokenizer's vocabulary (bytes 0-255, BOS 256, EOS 257;
-:mod:`dsa.serve.tokenizer`). ``tiny`` and ``glm-skip-small`` are test and recall shapes.
+``index_topk=2048``). Both use the byte-level tokenizer's vocabulary (:mod:`dsa.model.byte_vocab`).
+``tiny`` and ``glm-skip-small`` are test and recall shapes.
 """
 import dataclasses
 import os
@@ -12,11 +12,9 @@ import os
 import torch
 
 from dsa.config import DSAConfig
+from dsa.model.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 from dsa.model.preset_names import PRESET_NAMES
 
-# The byte-level tokenizer's ids: bytes 0-255, then BOS and EOS.
-BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
-BYTE_VOCAB_SIZE = 258
 BYTE_VOCAB = dict(vocab_size=BYTE_VOCAB_SIZE, bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID)
 
 CPU_DEFAULT = dict(num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, q_lora_rank=512,

@@ -17,7 +17,7 @@ import json
 import os
 import re
 
-from dsa.model.presets import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
+from dsa.model.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 from dsa.serve.chat_template import render_chat
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
