@@ -12,7 +12,7 @@ from dsa.kernels import positions_to_slots
 from dsa.model.dispatch import Dispatch, load_dispatch
 from dsa.model.plan import Bucket, HostPlan, PlanOptions
 from dsa.model.route import PATHS, graph_bucket
-from dsa.testing import owned_slots, poison_unowned_rows
+from kernel_utils import owned_slots, poison_unowned_rows
 
 P = 16
 MHA_FROM_3 = Dispatch(kv_lora_rank=512, qk_nope_head_dim=128, v_head_dim=128, prefill_mha_min_query=3)
