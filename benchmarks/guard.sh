@@ -3,7 +3,8 @@
 # this checkout, alternated ROUNDS times in one run, then benchmarks/guard_compare.py gates the
 # graph-replay rows (new / base <= 1 + TOLERANCE) and reports the eager and wall rows.
 #
-#   git archive BASE -- . ':!dsa/data/default' ':!dsa/data/indexers' | (mkdir -p .base && tar -x -C .base)
+#   mkdir -p .base && git archive BASE -- . ':!dsa/data/default' ':!dsa/data/indexers' ':!benchmarks/results' \
+#       ':!benchmarks/figures' | tar -x -C .base        # the code only: the benches run random presets
 #   OUT=... bash benchmarks/guard.sh [ROUNDS] [NAME]    # on the GPU machine; .base carried (it is ignored)
 #
 # Writes $OUT/guard-NAME.json (every run's rows and the comparison) and $OUT/guard-NAME.log; the per-run
