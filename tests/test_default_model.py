@@ -2,6 +2,7 @@
 transformers' DeepseekV32ForCausalLM with matching logits, stays under its size budget, and writes."""
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -52,3 +53,15 @@ def test_the_default_writes_english_words():
     assert len(words) >= 5 * 15, texts  # text, not byte soup
     vowels = sum(bool(re.search(r"[aeiouy]", w.lower())) for w in words) / len(words)
     assert vowels >= 0.9, texts  # English-like words (the word list itself is not a test dependency)
+
+
+def test_the_tracked_tree_stays_within_its_budget():
+    """Every device call carries the tracked tree (64 MiB in all with what it carries beside): it stays
+    <= 48 MB, so a call has room for data."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=root, check=True, capture_output=True).stdout.split(b"\0")
+    sizes = {f.decode(): os.path.getsize(os.path.join(root, f.decode())) for f in files
+             if f and os.path.isfile(os.path.join(root, f.decode()))}
+    total = sum(sizes.values())
+    largest = ", ".join(f"{name} {size / 1e6:.1f} MB" for name, size in sorted(sizes.items(), key=lambda x: -x[1])[:3])
+    assert total <= 48_000_000, f"the tracked tree is {total / 1e6:.1f} MB, over 48 MB; largest: {largest}"
