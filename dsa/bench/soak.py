@@ -13,23 +13,35 @@ requests wait and are preempted). Afterwards:
   (``leaked``: ``dsa_requests_running``, ``dsa_requests_waiting``, ``dsa_cache_blocks_in_use``);
 - the server's resident memory and GPU memory (``process_resident_memory_bytes``,
   ``dsa_gpu_memory_allocated_bytes``) at the end against the half-way point: growth within
-  ``MEMORY_BOUND`` (``memory_flat``).
+  ``MEMORY_BOUND`` (``memory_flat``);
+- the resident memory's slope: the gauges are read at ``SAMPLES`` points of the plan (each once the
+  server is idle), and a line fitted to the second half's gives bytes per request
+  (``rss_slope_bytes_per_request``); the first point where the prefix cache has evicted marks the pool
+  full (``pool_full_at``: until then cached prefixes grow the host's bookkeeping by design, ~240 B per
+  block, so a slope fitted after it, ``rss_slope_after_full``, is the leak's). ``plot_memory`` draws it.
 """
 import asyncio
 import json
+import os
 import random
 import time
 
 import httpx
+import numpy as np
 from tqdm import tqdm
 
 from dsa.bench.serve import KEEPALIVE_S, words
+from dsa.report import save_figure
 
 KINDS = ("stream", "plain", "chat", "chat_stream", "disconnect", "bad", "stop", "long")
 WEIGHTS = (4, 2, 2, 2, 1, 1, 1, 1)
 MEMORY_BOUND = 64 << 20  # bytes of growth from the half-way point to the end (host and GPU each)
 GAUGES = ("dsa_requests_running", "dsa_requests_waiting", "dsa_cache_blocks_in_use", "process_resident_memory_bytes",
           "dsa_gpu_memory_allocated_bytes")
+SAMPLES = 24  # points of the plan where the gauges are read (the memory slope's)
+EXTRA = ("dsa_preemptions_total", "dsa_prefix_cache_evictions_total", "dsa_cache_blocks_cached",
+         'dsa_gc_collections_total{generation="2"}', 'dsa_gc_pause_seconds_max{generation="2"}',
+         'dsa_gc_pause_seconds_max{generation="0"}', 'dsa_gc_pause_seconds_max{generation="1"}')
 
 
 def soak_plan(args, tok) -> list:
@@ -53,7 +65,7 @@ def gauges(client, url: str) -> dict:
     values = {}
     for line in client.get(url + "/metrics").text.splitlines():
         name, _, value = line.partition(" ")
-        if name in GAUGES or name == "dsa_preemptions_total":
+        if name in GAUGES or name in EXTRA or name.startswith(("dsa_host_structure_entries", "dsa_resident_memory")):
             values[name] = float(value)
     return values
 
@@ -120,8 +132,8 @@ async def soak_one(client, url: str, model: str, item: dict) -> dict:
 
 
 async def soak_run(url: str, api_key, model: str, plan: list, args) -> tuple:
-    """Send the plan burst by burst; returns (rows, the gauges at each quarter of the plan: the
-    half-way ones are the memory baseline)."""
+    """Send the plan burst by burst; returns (rows, the gauges at ``SAMPLES`` points of the plan, each
+    with ``requests``: how many had been sent)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rows, marks = [None] * len(plan), []
     bursts = {}
@@ -136,8 +148,8 @@ async def soak_run(url: str, api_key, model: str, plan: list, args) -> tuple:
             bar.update(1)
         for ids in bursts.values():
             await asyncio.gather(*(one(i) for i in ids))
-            if len(marks) < 3 and ids[-1] >= (len(marks) + 1) * len(plan) // 4:
-                marks.append(await asyncio.to_thread(settled_gauges, url, api_key))
+            if len(marks) < SAMPLES - 1 and ids[-1] + 1 >= (len(marks) + 1) * len(plan) // SAMPLES:
+                marks.append({**await asyncio.to_thread(settled_gauges, url, api_key), "requests": ids[-1] + 1})
         bar.close()
     return rows, marks
 
@@ -158,17 +170,61 @@ def settled_gauges(url: str, api_key, timeout: float = 600.0) -> dict:
 
 def soak_summary(rows: list, marks: list, end: dict) -> dict:
     """Counts by kind and outcome, what is held after, and memory: growth from the half-way point
-    to the end against :data:`MEMORY_BOUND` (``memory_trace``: resident and GPU bytes at each quarter)."""
-    half = marks[min(1, len(marks) - 1)] if marks else {}
+    to the end against :data:`MEMORY_BOUND`, the resident memory's slope (module docstring) and
+    ``memory_trace``: the gauges at each sample and the end."""
+    end = {**end, "requests": len(rows)}
+    samples = [*marks, end]
+    half = min(marks, key=lambda m: abs(m["requests"] - len(rows) / 2)) if marks else {}
     counts = {k: {} for k in KINDS}
     for r in rows:
         counts[r["kind"]][r["outcome"]] = counts[r["kind"]].get(r["outcome"], 0) + 1
     lost = [r for r in rows if r["outcome"] == "lost"]
     growth = {name: end.get(name, 0) - half.get(name, 0) for name in GAUGES[3:] if name in end}
     leaked = {name: end.get(name, 0) for name in GAUGES[:3]}
-    return {"requests": len(rows), "by_kind": counts, "preemptions": end.get("dsa_preemptions_total"), "lost": len(lost), "lost_details": [r["detail"] for r in lost][:10],
+    full = next((m["requests"] for m in samples if m.get("dsa_prefix_cache_evictions_total", 0) > 0), None)
+    rss = "process_resident_memory_bytes"
+    gc_pause = max((end.get(f'dsa_gc_pause_seconds_max{{generation="{g}"}}', 0.0) for g in range(3)), default=0.0)
+    return {"requests": len(rows), "by_kind": counts, "preemptions": end.get("dsa_preemptions_total"),
+            "lost": len(lost), "lost_details": [r["detail"] for r in lost][:10],
             "leaked": leaked, "leak_free": not any(leaked.values()), "memory_half": half, "memory_end": end,
-            "memory_growth_bytes": growth, "memory_bound_bytes": MEMORY_BOUND,
-            "memory_trace": [{k: m.get(k) for k in GAUGES[3:]} for m in [*marks, end]],
+            "memory_growth_bytes": growth, "memory_bound_bytes": MEMORY_BOUND, "memory_trace": samples,
+            "rss_slope_bytes_per_request": slope(samples, rss, len(rows) / 2),
+            "pool_full_at": full, "rss_slope_after_full": None if full is None else slope(samples, rss, full),
+            "gc_gen2_collections": end.get('dsa_gc_collections_total{generation="2"}'), "gc_longest_pause_s": gc_pause,
             "memory_flat": all(v <= MEMORY_BOUND for v in growth.values()),
             "ok": not lost and not any(leaked.values()) and all(v <= MEMORY_BOUND for v in growth.values())}
+
+
+def slope(samples: list, gauge: str, start: float) -> float | None:
+    """Bytes per request of ``gauge`` by a least-squares line through the samples from ``start``
+    requests on; None with fewer than 3 of them."""
+    points = [(m["requests"], m[gauge]) for m in samples if m["requests"] >= start and m.get(gauge) is not None]
+    if len(points) < 3:
+        return None
+    x, y = np.array(points, dtype=np.float64).T
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def plot_memory(summary: dict, path: str) -> str:
+    """The resident memory against requests sent, the fitted second half and the pool-full point."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    samples = [m for m in summary["memory_trace"] if m.get("process_resident_memory_bytes") is not None]
+    x = [m["requests"] for m in samples]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(x, [m["process_resident_memory_bytes"] / 2**20 for m in samples], "o-", label="resident memory")
+    k = summary["rss_slope_bytes_per_request"]
+    if k is not None:
+        start = summary["requests"] / 2
+        tail = [m for m in samples if m["requests"] >= start]
+        b = np.mean([m["process_resident_memory_bytes"] for m in tail]) - k * np.mean([m["requests"] for m in tail])
+        xs = np.array([tail[0]["requests"], tail[-1]["requests"]])
+        ax.plot(xs, (b + k * xs) / 2**20, "--", label=f"fit over the second half: {k:,.0f} B/request")
+    if summary["pool_full_at"] is not None:
+        ax.axvline(summary["pool_full_at"], color="gray", linestyle=":", label="prefix cache evicts (pool full)")
+    ax.set_xlabel("requests sent")
+    ax.set_ylabel("resident memory (MiB)")
+    ax.set_title("dsa serve: resident memory during the soak")
+    ax.legend()
+    return save_figure(fig, os.path.dirname(path) or ".", os.path.basename(path))

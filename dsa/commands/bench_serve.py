@@ -5,6 +5,7 @@ write the result file and print the summary.
 Building the options imports no torch and no httpx (``dsa --help`` answers at once); :func:`run`
 imports the load generator."""
 import asyncio
+import importlib.util
 import json
 import os
 import sys
@@ -102,7 +103,7 @@ class Traffic:
     rows: list  # one per request, in plan order
     duration: float  # seconds from the first send to the last finish
     compiles: float | None  # kernel compiles after ready (None: the server does not export the counter)
-    marks: list | None = None  # the soak's gauges at each quarter of its plan
+    marks: list | None = None  # the soak's gauges at soak.SAMPLES points of its plan
     end: dict | None = None  # the soak's gauges once the server is idle after it
 
 
@@ -143,6 +144,8 @@ def run(args) -> int:
                          "duration_s": traffic.duration, "summary": summary, "rows": rows})
         print_soak(summary, server, traffic.duration)
         print(f"wrote {path}")
+        if importlib.util.find_spec("matplotlib") is not None:
+            print(f"wrote {soak.plot_memory(summary, os.path.splitext(path)[0] + '-memory.png')}")
         return 0 if summary["ok"] else 1
     summary = serve.summarize(rows, traffic.duration, args)
     if args.ignore_eos and summary["short_outputs"]:
@@ -221,4 +224,10 @@ def print_soak(summary: dict, server: dict, duration: float) -> None:
           f"{server['kernel_compiles_after_ready']}")
     trace = [m.get("process_resident_memory_bytes") for m in summary["memory_trace"]]
     if all(v is not None for v in trace):
-        print("resident memory at each quarter and the end: " + ", ".join(f"{v / 2**20:.0f}" for v in trace) + " MiB")
+        print(f"resident memory at {len(trace)} points: " + ", ".join(f"{v / 2**20:.0f}" for v in trace) + " MiB")
+    k, k_full = summary["rss_slope_bytes_per_request"], summary["rss_slope_after_full"]
+    print("resident memory slope over the second half: " + ("n/a" if k is None else f"{k:,.0f} B/request")
+          + f"; pool full at request {summary['pool_full_at']}"
+          + ("" if k_full is None else f", slope after it {k_full:,.0f} B/request")
+          + f"; gen-2 collections {summary['gc_gen2_collections']}, longest pause "
+          f"{1e3 * summary['gc_longest_pause_s']:.1f} ms")

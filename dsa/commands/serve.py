@@ -63,12 +63,14 @@ def run(args) -> int:
         raise SystemExit(f"dsa serve: needs {' and '.join(missing)}; install the extra with "
                          "pip install 'deepseek-sparse-attention[serve]'")
     from dsa.serve.engine_loop import EngineLoop
+    from dsa.serve.host_memory import freeze_after_warmup
     from dsa.serve.openai_server import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.tp > 1:
         start_ranks(args.tp)
-    llm = llm_from_args(args, "serve")
+    llm = llm_from_args(args, "serve")  # warmed up
+    logging.getLogger("dsa.serve").info("gc.freeze() after the warm-up: %d objects frozen", freeze_after_warmup())
     commands = None
     if args.tp > 1:
         from dsa.serve.tp_commands import TPCommands

@@ -25,6 +25,7 @@ import time
 import torch
 
 from dsa.engine.output import Delta
+from dsa.serve.host_memory import GCPauses, resident_by_kind, structure_sizes
 from dsa.serve.tp_commands import one_line
 
 log = logging.getLogger("dsa.serve")
@@ -84,8 +85,10 @@ class EngineLoop:
         self.finished = collections.Counter()  # finish reason -> requests
         self._step_start = time.perf_counter()
         self.prompt_tokens = 0
+        self.gc_pauses = GCPauses()  # counting from start() to stop()
 
     def start(self) -> None:
+        self.gc_pauses.install()
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -93,6 +96,7 @@ class EngineLoop:
         if self._thread.is_alive():
             self._commands.put(None)
             self._thread.join(timeout)
+        self.gc_pauses.uninstall()
 
     def submit(self, sub: Submission) -> None:
         with self._count_lock:
@@ -276,5 +280,6 @@ class EngineLoop:
                 "preemptions": e.stats.preemptions, "kernel_compiles": e.stats.kernel_compiles,
                 "compiles_after_warmup": e.stats.compiles_after_warmup,
                 "rows": dict(e.stats.rows), "finished": dict(self.finished), "rss_bytes": _resident_bytes(),
-                "gpu_bytes": torch.cuda.memory_allocated(e.model.device) if e.model.device.type == "cuda" else None}
+                "gpu_bytes": torch.cuda.memory_allocated(e.model.device) if e.model.device.type == "cuda" else None,
+                "structures": structure_sizes(e, self), "resident": resident_by_kind(), "gc": self.gc_pauses.snapshot()}
 

@@ -128,6 +128,20 @@ def prometheus_text(m: dict) -> str:
     if m["gpu_bytes"] is not None:
         metric("gpu_memory_allocated_bytes", "gauge", "GPU memory held by tensors (torch.cuda.memory_allocated).",
                [("", m["gpu_bytes"])])
+    metric("host_structure_entries", "gauge", "Entries of each host structure that grows with cached blocks, "
+           "requests or steps (dsa.serve.host_memory states their bounds).",
+           [(f'{{structure="{k}"}}', v) for k, v in m["structures"].items()])
+    if m["resident"] is not None:
+        metric("resident_memory_bytes", "gauge", "Resident memory by kind (anon, file, shmem) and the C heap "
+               "(malloc_in_use, malloc_free).", [(f'{{kind="{k}"}}', v) for k, v in m["resident"].items()])
+    g = m["gc"]
+    metric("gc_collections_total", "counter", "Garbage collections per generation since the server started.",
+           [(f'{{generation="{i}"}}', n) for i, n in enumerate(g["collections"])])
+    metric("gc_pause_seconds_total", "counter", "Seconds spent in garbage collections, per generation.",
+           [(f'{{generation="{i}"}}', f"{t:.6f}") for i, t in enumerate(g["seconds"])])
+    metric("gc_pause_seconds_max", "gauge", "The longest garbage collection pause, per generation.",
+           [(f'{{generation="{i}"}}', f"{t:.6f}") for i, t in enumerate(g["longest"])])
+    metric("gc_frozen_objects", "gauge", "Objects frozen by gc.freeze() after the warm-up.", [("", g["frozen"])])
     if m["compiles_after_warmup"] is not None:
         metric("kernel_compiles_after_warmup_total", "counter", "Kernel variants built after the warm-up.",
                [("", m["compiles_after_warmup"])])

@@ -1,0 +1,108 @@
+"""Where a server's host memory goes, for ``/metrics``: the sizes of the host structures that grow
+with cached blocks, requests or steps, the process's resident memory by kind, and the garbage
+collector's pauses.
+
+Each structure has a bound (entries, and bytes per entry as ``benchmarks/host_bookkeeping_memory.py``
+measures them on CPU):
+
+- the prefix cache's names (``BlockManager.by_name``, ``name_of``, ``evictable``): at most one entry per
+  cache block, ~240 B per cached block in all; full once the pool has been filled once;
+- the block references and in-flight names (``refs``, ``in_flight``): the blocks of the running requests;
+- the free block stack (``free_ids``): at most ``num_blocks`` ints;
+- the engine's and the loop's request maps (``Engine._requests``, ``EngineLoop._live``), the scheduler's
+  ``waiting`` and ``running``: the requests waiting or running, none after they finish;
+- the runner's ``InputBatch``: ``max_num_seqs`` rows, allocated once;
+- the rate window (``EngineLoop._steps``): the steps of the last ``RATE_WINDOW_S`` seconds;
+- the latency histograms: fixed buckets.
+
+``gc.freeze()`` after the warm-up (as vLLM and SGLang do) moves the objects alive then (the model's
+modules, the tokenizer, the kernels' caches) out of the collector's generations, so a full collection
+walks only what the server allocated since; :class:`GCPauses` counts the collections of each generation
+and times them (``gc.callbacks``).
+"""
+import ctypes
+import gc
+import time
+
+
+def structure_sizes(engine, loop) -> dict:
+    """Entries of each growing host structure (module docstring), named as in ``/metrics``."""
+    bm, s = engine.scheduler.blocks, engine.scheduler
+    return {"prefix_names": len(bm.by_name), "prefix_blocks": len(bm.name_of), "prefix_evictable": len(bm.evictable),
+            "block_refs": len(bm.refs), "in_flight_names": len(bm.in_flight), "free_blocks": len(bm.free_ids),
+            "engine_requests": len(engine._requests), "scheduler_waiting": len(s.waiting),
+            "scheduler_running": len(s.running), "loop_requests": len(loop._live), "rate_window_steps": len(loop._steps)}
+
+
+def resident_by_kind() -> dict | None:
+    """Resident bytes by kind (Linux ``/proc/self/status``: anonymous (heaps, Python's arenas, pinned
+    buffers), file-backed (libraries), shared memory), and the C heap glibc holds (``mallinfo2``: in use and
+    free inside it); None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon", "RssFile", "RssShmem")))
+    except OSError:
+        return None
+    out = {k.lower().replace("rss", "resident_"): int(v.split()[0]) * 1024 for k, v in fields.items()}
+    info = _mallinfo2()
+    if info is not None:
+        out["malloc_in_use"] = info.uordblks + info.hblkhd
+        out["malloc_free"] = info.fordblks
+    return out
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _mallinfo2():
+    """glibc's ``mallinfo2()`` (2.33 and later), None elsewhere."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn()
+
+
+class GCPauses:
+    """Collections per generation and their pauses, from ``gc.callbacks`` (``install`` once; the callback
+    runs in whichever thread collects)."""
+
+    def __init__(self):
+        self.collections = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.longest = [0.0, 0.0, 0.0]
+        self._start = None
+
+    def install(self) -> "GCPauses":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def uninstall(self) -> None:
+        """Stop counting (a no-op when not installed)."""
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            g, pause = info["generation"], time.perf_counter() - self._start
+            self.collections[g] += 1
+            self.seconds[g] += pause
+            self.longest[g] = max(self.longest[g], pause)
+            self._start = None
+
+    def snapshot(self) -> dict:
+        return {"collections": list(self.collections), "seconds": list(self.seconds), "longest": list(self.longest),
+                "frozen": gc.get_freeze_count()}
+
+
+def freeze_after_warmup() -> int:
+    """Collect once, then freeze what is alive (module docstring); returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -1,0 +1,111 @@
+"""The server's host structures stay bounded (dsa.serve.host_memory): on the stub model (a step in
+a millisecond), requests of unique prompts fill a small pool; tracemalloc measures the bytes the
+prefix cache's bookkeeping takes per cached block while the pool fills, then the bytes per finished
+request once it is full (evicting), which must be about nothing. ``/metrics`` exports each
+structure's entries and the collector's pauses."""
+import gc
+import random
+import tracemalloc
+
+import pytest
+
+from dsa.engine.engine import Engine
+from dsa.engine.sampling import SamplingParams
+from dsa.serve.engine_loop import EngineLoop
+from dsa.serve.host_memory import GCPauses, freeze_after_warmup, resident_by_kind, structure_sizes
+from dsa.serve.metrics import prometheus_text
+from tests.stub_model import VOCAB, StubModel
+
+# Bytes of prefix-cache bookkeeping per cached block: ~240 on a 360K-block pool, up to ~2x that on a small
+# one (its dicts grow by doubling, and this measures a fraction of a doubling).
+PER_CACHED_BLOCK = 640
+PER_FINISHED_REQUEST = 64  # bytes left behind per finished request once the pool is full (dict churn: 8-30)
+
+
+def _traffic(engine, rng, requests: int, wave: int = 16) -> None:
+    """``requests`` requests of unique prompts (1-9 blocks of 16), some sampled, some stopping early."""
+    for _ in range(requests // wave):
+        prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(5, 150))] for _ in range(wave)]
+        sampling = [SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice((0.0, 0.8)),
+                                   stop_token_ids=[rng.randrange(VOCAB)]) for _ in prompts]
+        engine.generate(prompts, sampling=sampling)
+
+
+def _traced() -> int:
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0]
+
+
+@pytest.mark.parametrize("num_blocks", [301, 997], ids=["301-blocks", "997-blocks"])
+def test_host_bookkeeping_is_bounded_per_cached_block_and_per_finished_request(num_blocks):
+    engine = Engine(StubModel(), num_blocks=num_blocks, max_num_seqs=16)
+    loop = EngineLoop(engine)
+    rng = random.Random(num_blocks)
+    _traffic(engine, rng, 32)  # warm: the first steps' one-time allocations
+    tracemalloc.start()
+    try:
+        before, cached0 = _traced(), engine.stats.prefix.cached_blocks
+        while engine.stats.prefix.cached_blocks < num_blocks * 3 // 4:
+            _traffic(engine, rng, 16)
+        filling = (_traced() - before) / (engine.stats.prefix.cached_blocks - cached0)
+        while engine.stats.prefix.evictions < num_blocks:  # full, and turned over once
+            _traffic(engine, rng, 16)
+        full = _traced()
+        _traffic(engine, rng, 640)
+        per_request = (_traced() - full) / 640
+    finally:
+        tracemalloc.stop()
+    sizes = structure_sizes(engine, loop)
+    print(f"{num_blocks} blocks: {filling:.0f} B per cached block while filling, {per_request:.1f} B per finished "
+          f"request when full; {sizes}")
+    assert filling <= PER_CACHED_BLOCK, f"{filling:.0f} B per cached block > {PER_CACHED_BLOCK}"
+    assert per_request <= PER_FINISHED_REQUEST, f"{per_request:.1f} B per finished request > {PER_FINISHED_REQUEST}"
+    assert sizes["prefix_names"] == sizes["prefix_blocks"] <= num_blocks, sizes
+    assert sizes["free_blocks"] + sizes["prefix_evictable"] == num_blocks, sizes
+    idle = ("block_refs", "in_flight_names", "engine_requests", "scheduler_waiting", "scheduler_running",
+            "loop_requests")
+    assert all(sizes[k] == 0 for k in idle), f"held by an idle engine: {sizes}"
+
+
+def test_metrics_export_the_structures_resident_memory_and_gc_pauses():
+    engine = Engine(StubModel(), num_blocks=64)
+    loop = EngineLoop(engine)
+    loop.gc_pauses.install()
+    try:
+        engine.generate([[1, 2, 3] * 7, [4, 5] * 9], max_new_tokens=5)
+        gc.collect()
+        text = prometheus_text(loop.metrics())
+    finally:
+        loop.gc_pauses.uninstall()
+    for line in ('dsa_host_structure_entries{structure="prefix_blocks"} 2',
+                 'dsa_host_structure_entries{structure="engine_requests"} 0',
+                 'dsa_gc_collections_total{generation="2"} ', 'dsa_gc_pause_seconds_max{generation="2"} ',
+                 "dsa_gc_frozen_objects "):
+        assert line in text, f"{line!r} not in /metrics:\n{text}"
+    if resident_by_kind() is not None:  # Linux
+        assert 'dsa_resident_memory_bytes{kind="resident_anon"}' in text, text
+
+
+def test_gc_pauses_count_collections_per_generation_and_the_longest():
+    pauses = GCPauses().install()
+    try:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    finally:
+        pauses.uninstall()
+    pauses.uninstall()  # twice: a no-op
+    s = pauses.snapshot()
+    assert s["collections"][0] >= 1 and s["collections"][2] >= 2, s
+    assert 0 < s["longest"][2] <= s["seconds"][2], s
+
+
+def test_freeze_after_warmup_leaves_the_frozen_objects_out_of_collections():
+    try:
+        frozen = freeze_after_warmup()
+        assert frozen == gc.get_freeze_count() > 0
+        kept = [object() for _ in range(10)]
+        assert gc.get_freeze_count() == frozen, "objects made after the freeze were frozen too"
+        del kept
+    finally:
+        gc.unfreeze()
