@@ -79,12 +79,13 @@ fi
 if [[ $PARTS == *m* ]]; then
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_model_gpu.py 2>&1 | tail -3 | tee -a "$LOG"
 fi
-if [[ $PARTS == *k* ]]; then
-  serve_up soak
+if [[ $PARTS == *k* ]]; then  # SOAK requests (default 2000); SOAK_BLOCKS: a pool that fills early
+  serve_up soak ${SOAK_BLOCKS:+--num-blocks $SOAK_BLOCKS}
   say "soak"
   timeout $(( ${SOAK:-2000} / 20 + 150 )) python3 -m dsa bench serve --url http://127.0.0.1:8123 --soak --num-requests ${SOAK:-2000} --concurrency 64 \
-    --input-len-range 16 4096 --max-tokens-range 1 128 --json "$OUT/soak.json" 2>&1 | grep -v "req/s\]" | tail -4 \
+    --input-len-range 16 4096 --max-tokens-range 1 128 --json "$OUT/soak.json" 2>&1 | grep -v "req/s\]" | tail -24 \
     | tee -a "$LOG"
+  curl -s http://127.0.0.1:8123/metrics | grep -E "^dsa_(resident|host_structure|gc_|kernel_compiles_after)" | tee -a "$LOG"
   serve_down soak
 fi
 if [[ $PARTS == *x* ]]; then
