@@ -151,8 +151,8 @@ def run(args) -> int:
             rec["rules"][name] = score(teacher, s, rule)
             seconds[name] = round(time.perf_counter() - t0, 3)
             bar.update(1)
-        needle_file.append(results, "sample", rec | {"seconds": seconds})
         lines.append(rec | {"seconds": seconds})
+        needle_file.append(results, "sample", lines[-1])
         new += 1
     bar.close()
     runs.append({"samples": new, "ended": ended, "seconds": round(time.perf_counter() - t_start, 1),
