@@ -96,6 +96,27 @@ def _todo(args, done: dict, teacher, streams, fitted: dict):
                                      "file holds (other filler?); give another --out, or --overwrite to start again")
 
 
+def _result(args, header: dict, lines: list, runs: list, total: int, teacher, device, folder: str) -> dict:
+    """needle.json from every sample line of the results file, in grid order (seconds kept apart)."""
+    import torch
+
+    from dsa.quality.needle import summarize
+    from dsa.report import env_info
+
+    order = {(t, n): (args.lengths.index(n), args.tasks.index(t)) for t in args.tasks for n in args.lengths}
+    lines.sort(key=lambda r: (order[r["task"], r["length"]], r["index"]))
+    records = [{k: v for k, v in r.items() if k != "seconds"} for r in lines]
+    return {"command": "dsa " + " ".join(getattr(args, "argv", [])),
+            "args": {k: v for k, v in vars(args).items() if k not in ("func", "argv")} | {"indexers": folder},
+            "env": {**env_info(), "platform": platform.platform(), "device": str(device),
+                    "threads": torch.get_num_threads()},
+            "teacher": teacher.config.__dict__, "texts": header["texts"],
+            "complete": len(records) == total, "samples_done": len(records), "samples_total": total,
+            "runs": runs, "seconds": round(sum(r["seconds"] for r in runs), 1),
+            "seconds_by_rule": {r: round(sum(x["seconds"][r] for x in lines), 1) for r in args.rules},
+            "summary": summarize(records), "records": records}
+
+
 def run(args) -> int:
     import torch
     from tqdm import tqdm
@@ -103,7 +124,7 @@ def run(args) -> int:
     from dsa.indexer import LightningIndexer
     from dsa.quality import needle_file
     from dsa.quality.corpus import read_streams
-    from dsa.quality.needle import FIGURE, plot, score, summarize, table_text
+    from dsa.quality.needle import FIGURE, plot, score, table_text
     from dsa.quality.selection import PACKAGED, load_indexers
     from dsa.quality.teacher import LlamaTeacher
     from dsa.report import env_info, require_matplotlib
@@ -136,6 +157,7 @@ def run(args) -> int:
     except (OSError, ValueError) as e:
         raise SystemExit(f"dsa needle: --out: {e}; give another --out, or --overwrite to start again")
     done = {needle_file.key(r): r for r in lines}
+    lines = list(done.values())  # a sample twice (two runs on one --out at once) counts once
     total = len(args.lengths) * len(args.tasks) * args.samples
     deadline = None if args.max_minutes is None else t_start + 60 * args.max_minutes
     new, ended = 0, "complete"
@@ -158,18 +180,7 @@ def run(args) -> int:
     runs.append({"samples": new, "ended": ended, "seconds": round(time.perf_counter() - t_start, 1),
                  "device": str(device), "threads": torch.get_num_threads(), **env_info()})
     needle_file.append(results, "run", runs[-1])
-    order = {(t, n): (args.lengths.index(n), args.tasks.index(t)) for t in args.tasks for n in args.lengths}
-    lines.sort(key=lambda r: (order[r["task"], r["length"]], r["index"]))
-    records = [{k_: v for k_, v in r.items() if k_ != "seconds"} for r in lines]
-    result = {"command": "dsa " + " ".join(getattr(args, "argv", [])),
-              "args": {k_: v for k_, v in vars(args).items() if k_ not in ("func", "argv")} | {"indexers": folder},
-              "env": {**env_info(), "platform": platform.platform(), "device": str(device),
-                      "threads": torch.get_num_threads()},
-              "teacher": teacher.config.__dict__, "texts": header["texts"],
-              "complete": len(records) == total, "samples_done": len(records), "samples_total": total,
-              "runs": runs, "seconds": round(sum(r["seconds"] for r in runs), 1),
-              "seconds_by_rule": {r: round(sum(x["seconds"][r] for x in lines), 1) for r in args.rules},
-              "summary": summarize(records), "records": records}
+    result = _result(args, header, lines, runs, total, teacher, device, folder)
     path = os.path.join(args.out, "needle.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
@@ -177,8 +188,8 @@ def run(args) -> int:
     print(table_text(result))
     print(f"accuracy [95% Wilson interval], mean answer log-probability in nats; k = context/{args.k_fraction}; "
           f"{result['seconds']} s on {device} in {len(runs)} run(s)")
-    print(f"wrote {path} and {os.path.basename(png)} from {results} ({len(records)} of {total} samples)")
+    print(f"wrote {path} and {os.path.basename(png)} from {results} ({result['samples_done']} of {total} samples)")
     if ended == "budget":
-        print(f"dsa needle: stopped by --max-minutes after {new} new samples ({len(records)} of {total} done); "
+        print(f"dsa needle: stopped by --max-minutes after {new} new samples ({result['samples_done']} of {total} done); "
               "the same command again continues from the results file")
     return 0
