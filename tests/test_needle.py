@@ -10,7 +10,7 @@ import torch
 
 from dsa.cli import main
 from dsa.indexer import LightningIndexer
-from dsa.quality import choices, needle
+from dsa.quality import choices, needle, needle_file
 from dsa.quality.corpus import read_streams, sample_window
 from dsa.quality.selection import indexer_config, rope_tables, save_indexer
 from dsa.quality.teacher import LlamaTeacher, selection_mask
@@ -231,3 +231,101 @@ def test_needle_cli_json_figure_and_errors(tiny, tmp_path, capsys):
                            (["--rules", "dense,random"], "--rules: random")):
         with pytest.raises(SystemExit, match=message):
             main(["needle", "--gguf", str(path), "--text", str(tmp_path / "filler.npy"), "--out", str(tmp_path / "o2"), *flags])
+
+
+# ---- the results file: stopping and resuming -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def grid(tiny, tmp_path_factory):
+    """``(argv(out, *flags), folder, the needle.json of one uninterrupted run)``: 2 tasks x 3 samples at 617 tokens."""
+    path, teacher = tiny
+    d = tmp_path_factory.mktemp("grid")
+    np.save(d / "filler.npy", prose(teacher.tokenizer, 3000)["prose"].astype(np.uint16))
+    for i in (0, 1):
+        save_indexer(LightningIndexer(indexer_config(teacher.config, 2)), i, str(d / "idx"), {"teacher": "tiny"})
+
+    def argv(out, *flags):
+        return ["needle", "--gguf", str(path), "--indexers", str(d / "idx"), "--text", str(d / "filler.npy"),
+                "--lengths", "617", "--tasks", "needle,passkey", "--samples", "3", "--device", "cpu",
+                "--out", str(out), *flags]
+    assert main(argv(d / "one")) == 0
+    return argv, d, json.loads((d / "one" / "needle.json").read_text())
+
+
+def _same_grid(got: dict, want: dict, why: str) -> None:
+    assert got["complete"] and got["samples_done"] == want["samples_done"] == 6, why
+    for a, b in zip(got["records"], want["records"]):
+        assert a == b, f"{why}: {a['task']} sample {a['index']}: {a['rules']} vs {b['rules']}"
+    assert got["records"] == want["records"] and got["summary"] == want["summary"], why
+
+
+def test_a_budget_stops_between_samples_and_the_same_command_continues(grid, tmp_path, capsys):
+    argv, _, one = grid
+    out = tmp_path / "out"
+    for run in range(1, 7):  # a budget of 60 ns: each run scores its one sample and stops
+        assert main(argv(out, "--max-minutes", "1e-9")) == 0
+        printed = capsys.readouterr().out
+        partial = json.loads((out / "needle.json").read_text())
+        assert partial["samples_done"] == run and partial["complete"] == (run == 6), f"run {run}: {partial['samples_done']}"
+        assert partial["records"] == one["records"][:run], f"run {run}: not the first {run} samples of one run"
+        assert ("stopped by --max-minutes after 1 new samples" in printed) == (run < 6), printed[-300:]
+    _same_grid(partial, one, "six runs of one sample each")
+    assert [r["ended"] for r in partial["runs"]] == ["budget"] * 5 + ["complete"]
+    lines = (out / "needle.jsonl").read_text().splitlines()
+    assert len(lines) == 1 + 6 + 6, f"header, 6 samples, 6 runs: {len(lines)} lines"
+
+
+@pytest.mark.parametrize("cut", ["mid-header", "mid-third-sample", "all-samples-no-run-line"])
+def test_a_killed_run_resumes_to_the_grid_of_one_run(grid, tmp_path, cut):
+    argv, d, one = grid
+    data = (d / "one" / "needle.jsonl").read_bytes()
+    ends = [i + 1 for i, b in enumerate(data) if b == ord("\n")]  # header, 6 samples, 1 run
+    at = {"mid-header": ends[0] // 2, "mid-third-sample": (ends[2] + ends[3]) // 2, "all-samples-no-run-line": ends[6]}[cut]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "needle.jsonl").write_bytes(data[:at])
+    assert main(argv(tmp_path / "out")) == 0
+    got = json.loads((tmp_path / "out" / "needle.json").read_text())
+    _same_grid(got, one, f"killed at byte {at} ({cut})")
+    assert got["runs"][-1]["samples"] == {"mid-header": 6, "mid-third-sample": 4, "all-samples-no-run-line": 0}[cut]
+
+
+def test_another_grid_is_refused_and_overwrite_starts_again(grid, tmp_path):
+    argv, d, one = grid
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "needle.jsonl").write_bytes((d / "one" / "needle.jsonl").read_bytes())
+    with pytest.raises(SystemExit, match=r"--out: .* holds another grid \(grid: samples: 3 there, 2 now\)"):
+        main(argv(out, "--samples", "2"))
+    assert main(argv(out, "--samples", "2", "--overwrite")) == 0
+    got = json.loads((out / "needle.json").read_text())
+    want = [r for r in one["records"] if r["index"] < 2]  # the same seed: the first samples of the bigger grid
+    assert got["records"] == want, "--samples 2 drew other samples than the first two of --samples 3"
+    assert len(got["runs"]) == 1, "--overwrite kept the old runs"
+
+
+def test_a_sample_the_filler_no_longer_gives_is_refused(grid, tmp_path):
+    argv, d, _ = grid
+    lines = (d / "one" / "needle.jsonl").read_text().splitlines()
+    first = json.loads(lines[1])
+    first["sample"]["answer"] = "0000000"
+    lines = [lines[0], json.dumps(first), lines[2]]  # needle samples 0 and 1 done, 2 to do
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "needle.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit, match="--text: needle sample 0 at 617 is not the one the results file holds"):
+        main(argv(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"type": "header", "header": {}}\nnot json\n', "line 2 is not JSON"),
+    ('{"type": "sample", "sample": {}}\n', "line 1 is not a needle results line"),
+    ('{"type": "header", "header": {}}\n{"type": "header", "header": {}}\n', "line 2 is not a needle results line"),
+], ids=["garbled-line", "no-header", "two-headers"])
+def test_results_file_errors_name_the_line(tmp_path, text, message):
+    (tmp_path / "needle.jsonl").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        needle_file.read(str(tmp_path / "needle.jsonl"))
+
+
+def test_max_minutes_must_be_positive(grid, tmp_path):
+    argv, _, _ = grid
+    with pytest.raises(SystemExit, match="--max-minutes: expected > 0, got 0.0"):
+        main(argv(tmp_path / "out", "--max-minutes", "0"))
