@@ -96,6 +96,18 @@ def _stub_prompts(rng, n, shared=None):
             for _ in range(n)]
 
 
+def run_to_the_end(engine, prompts: list, new: int) -> tuple:
+    """Add every prompt, step until nothing is left: ``(tokens of each prompt in order, the most
+    requests that ran at once)``."""
+    rids = [engine.add_request(p, new) for p in prompts]
+    out, most = {r: [] for r in rids}, 0
+    while engine.has_work():
+        for rid, toks in engine.step().items():
+            out[rid] += toks
+        most = max(most, len(engine.running))
+    return [out[r] for r in rids], most
+
+
 def test_pool_for_four_worst_cases_runs_twelve_requests_stub():
     """12 requests with large max_tokens in a pool that fits 4 of them at their worst case: more
     than 4 run at once, all complete with the stub's tokens (the same as alone), and no block
@@ -104,15 +116,9 @@ def test_pool_for_four_worst_cases_runs_twelve_requests_stub():
     new = 40
     worst = -(-(20 + 11 + new) // 16)  # blocks of the longest request at its end
     engine = Engine(StubModel(), num_blocks=4 * worst, max_batch_tokens=256)
-    most = 0
-    rids = [engine.add_request(p, new) for p in prompts]
-    out = {r: [] for r in rids}
-    while engine.has_work():
-        for rid, toks in engine.step().items():
-            out[rid] += toks
-        most = max(most, len(engine.running))
+    out, most = run_to_the_end(engine, prompts, new)
     assert most > 4, most
-    assert [out[r] for r in rids] == [reference(p, new) for p in prompts]
+    assert out == [reference(p, new) for p in prompts]
     assert engine.stats.preemptions > 0 and engine.stats.blocks_in_use == 0
     assert engine.scheduler.blocks.num_free == 4 * worst
 
@@ -124,16 +130,10 @@ def test_pool_for_four_worst_cases_runs_twelve_requests(model):
     new = 40
     worst = -(-(20 + 11 + new) // 16)  # blocks of the longest request at its end
     engine = Engine(model, num_blocks=4 * worst, max_batch_tokens=256)
-    most = 0
-    rids = [engine.add_request(p, new) for p in prompts]
-    out = {r: [] for r in rids}
-    while engine.has_work():
-        for rid, toks in engine.step().items():
-            out[rid] += toks
-        most = max(most, len(engine.running))
+    out, most = run_to_the_end(engine, prompts, new)
     alone = [Engine(model, num_blocks=4 * worst).generate([p], new)[0] for p in prompts]
     assert most > 4, most
-    assert [out[r] for r in rids] == alone
+    assert out == alone
     assert engine.stats.preemptions > 0 and engine.stats.blocks_in_use == 0
     assert engine.scheduler.blocks.num_free == 4 * worst
 

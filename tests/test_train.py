@@ -262,6 +262,14 @@ def test_script_end_to_end(tmp_path):
     assert (tmp_path / "out" / "train_loss.png").exists() and (tmp_path / "out" / "model" / "tokenizer.json").exists()
     config = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    refit = [sys.executable, script, "refit", "--from", str(tmp_path / "out" / "model"), "--data", str(tmp_path / "data"),
+             "--out", str(tmp_path / "refit"), "--long-context", "256", "--long-batch", "1", "--max-steps", "1",
+             "--eval-contexts", "128,256", "--eval-windows", "1", "--kl-queries", "8", "--recall-queries", "4",
+             "--device", "cpu"]
+    subprocess.run(refit, **run)  # more indexer warm-up for that export: before and after, only the indexers replaced
+    refitted = json.loads((tmp_path / "refit" / "refit.json").read_text())
+    assert set(refitted["recall"]) == {"before", "after"} and refitted["stages"]["warmup"]["steps"] == 1
+    assert refitted["export"]["replaced"] > 0 and refitted["data"]["files"] == record["data"]["files"]
     resumed = subprocess.run(args + ["--resume"], **run)  # every stage done: straight to the export
     assert "resumed after ['dense', 'long', 'warmup', 'sparse']" in resumed.stdout
     assert json.loads((tmp_path / "out" / "train.json").read_text())["resumed_after"] == list(stages)

@@ -315,6 +315,26 @@ def save_checkpoint(path: str, model, mtp, record: dict, g: torch.Generator) -> 
     os.replace(path + ".tmp", path)
 
 
+def seeded(args) -> torch.Generator:
+    """TF32 matmuls on CUDA, torch seeded; the generator that draws the batches and the KL rows."""
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    return torch.Generator().manual_seed(args.seed)
+
+
+def run_record(args, manifest: dict, streams: dict, heldout: dict) -> dict:
+    """What every run's record starts with: the command, the arguments, the device and the data."""
+    return {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "args": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(args).items() if k != "func"},
+            "device": device_name(args.device),
+            "data": {"manifest": os.path.join(args.data, "data_manifest.json"),
+                     "train_tokens": sum(len(v) for v in streams.values()),
+                     "heldout_tokens": sum(len(v) for v in heldout.values()),
+                     "heldout_bytes": {k: manifest["files"][k].get("text_bytes") for k in heldout},
+                     "files": {k: v["sha256"] for k, v in manifest["files"].items()}}}
+
+
 def train(args) -> int:
     from dsa.quality.train import export, hf_config, indexer_params, model_config, new_model, new_mtp, selection_recall
 
@@ -328,27 +348,17 @@ def train(args) -> int:
         if ctx > args.long_context or ctx <= args.index_topk:
             raise SystemExit(f"--eval-contexts: {ctx} is outside (--index-topk = {args.index_topk}, --long-context "
                              f"= {args.long_context}]")
-    if args.device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    torch.manual_seed(args.seed)
-    g = torch.Generator().manual_seed(args.seed)
+    g = seeded(args)
     config = model_config(manifest["tokenizer"]["vocab_size"], args.layers, args.hidden, args.long_context,
                           args.index_heads, args.index_topk, args.q_lora_rank, args.intermediate_size)
     model = new_model(config, args.seed, args.device)
     mtp = new_mtp(config, args.seed, args.device)
-    train_tokens = sum(len(v) for v in streams.values())
-    record = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-              "args": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(args).items() if k != "func"},
-              "device": device_name(args.device),
-              "config": hf_config(config, torch.float32, 1),
+    record = {**run_record(args, manifest, streams, heldout), "config": hf_config(config, torch.float32, 1),
               "params": {"total": sum(p.numel() for p in model.parameters()),
                          "indexer": sum(p.numel() for p in indexer_params(model)),
                          "mtp": sum(p.numel() for p in mtp.parameters())},
-              "data": {"manifest": os.path.join(args.data, "data_manifest.json"), "train_tokens": train_tokens,
-                       "heldout_tokens": sum(len(v) for v in heldout.values()),
-                       "heldout_bytes": {k: manifest["files"][k].get("text_bytes") for k in heldout},
-                       "files": {k: v["sha256"] for k, v in manifest["files"].items()}},
               "stages": {}, "eval": {}}
+    train_tokens = record["data"]["train_tokens"]
     os.makedirs(args.out, exist_ok=True)
     ckpt = os.path.join(args.out, "checkpoint.pt")
     if args.resume:
@@ -407,25 +417,17 @@ def refit(args) -> int:
     if sha256(os.path.join(args.source, "tokenizer.json")) != manifest["tokenizer"]["sha256"]:
         raise SystemExit(f"--data: its tokenizer is not {args.source}/tokenizer.json (run `train.py prepare "
                          f"--tokenizer {args.source}/tokenizer.json`)")
-    if args.device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    torch.manual_seed(args.seed)
-    g = torch.Generator().manual_seed(args.seed)
+    g = seeded(args)
     model, mtp = import_export(args.source, args.device)
     c = model.config
     for ctx in args.eval_contexts + [args.long_context]:
         if ctx > c.max_position_embeddings or ctx <= c.index_topk:
             raise SystemExit(f"--eval-contexts/--long-context: {ctx} is outside (index_topk = {c.index_topk}, "
                              f"max_position_embeddings = {c.max_position_embeddings}]")
-    train_tokens = sum(len(v) for v in streams.values())
-    record = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-              "args": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(args).items() if k != "func"},
-              "device": device_name(args.device),
+    record = {**run_record(args, manifest, streams, heldout),
               "source": {"dir": args.source, "model.safetensors": sha256(os.path.join(args.source, "model.safetensors"))},
-              "data": {"manifest": os.path.join(args.data, "data_manifest.json"), "train_tokens": train_tokens,
-                       "files": {k: v["sha256"] for k, v in manifest["files"].items()}},
               "eval": {}, "recall": {}, "stages": {}}
-    text_bytes = {k: manifest["files"][k].get("text_bytes") for k in heldout}
+    text_bytes = record["data"]["heldout_bytes"]
 
     def measure(when: str) -> None:
         model.eval(), mtp.eval()
