@@ -234,12 +234,13 @@ def test_max_seconds_bounds_evaluation_and_training(tiny, monkeypatch, budget, b
     keeps 2 windows' time for the KL after, which evaluates the same windows; a pass that outlasts its
     phase is abandoned after a layer, so nothing runs more than one layer past the budget."""
     from dsa.quality.fit import fit, sample_queries
+    from dsa.quality.retrieval_mix import window_source
     _, info, teacher = tiny
     g = torch.Generator().manual_seed(0)
     train = {"train": np.random.default_rng(0).integers(0, info["vocab"], 2000)}
     held = [(torch.randint(0, info["vocab"], (128,), generator=g), sample_queries(128, 8, 16, g)) for _ in range(4)]
     clock = FakeClock(teacher, monkeypatch, layer_s=5.0)
-    _, record = fit(teacher, [0, 1], train, held, heads=2, context=128, queries=8, min_position=16, steps=7,
+    _, record = fit(teacher, [0, 1], window_source(train, 128, 8, 16), held, heads=2, context=128, steps=7,
                     max_seconds=budget, seed=0, progress=False, clock=clock)
     got = (record["heldout_windows"]["before"], record["steps"], record["heldout_windows"]["after"])
     assert got == (before, steps, after), f"budget {budget}: (before, steps, after) = {got}, ended at {clock.now} s"

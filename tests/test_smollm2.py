@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsa.quality.fit import fit, sample_queries
+from dsa.quality.retrieval_mix import window_source
 from dsa.quality.selection import (
     PACKAGED,
     indexer_config,
@@ -53,8 +54,8 @@ def test_a_few_fit_steps_lower_heldout_kl(smol):
     held_ids = tokens(smol, "sotu-1996-opening.txt")[:384]
     g = torch.Generator().manual_seed(0)
     held = [(held_ids, sample_queries(384, 48, 96, g))]
-    _, record = fit(smol, [3], train, held, heads=4, context=256, queries=32, min_position=64, steps=8, lr=3e-3,
-                    warmup=1, seed=0, progress=False)
+    draw = window_source(train, 256, 32, 64)
+    _, record = fit(smol, [3], draw, held, heads=4, context=256, steps=8, lr=3e-3, warmup=1, seed=0, progress=False)
     before, after = record["heldout_kl_before"][3], record["heldout_kl_after"][3]
     print(f"layer 3 held-out KL: {before:.3f} -> {after:.3f} nats after 8 steps")
     assert after < 0.8 * before, (before, after)

@@ -106,6 +106,29 @@ def test_attention_probs_is_the_head_mean_softmax(chunk):
     assert torch.allclose(got.sum(1), torch.ones(len(queries)), atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [1, 3], ids=["chunk1", "chunk3"])
+def test_attention_probs_on_an_allowed_set_is_each_heads_softmax_there(chunk):
+    """The sparse model's attention: every head's softmax over its row's allowed keys, then the head mean
+    (not the dense head mean renormalized over the set)."""
+    g = torch.Generator().manual_seed(1)
+    t, h, kvh, d = 23, 6, 3, 8
+    q, k = torch.randn(t, h, d, generator=g), torch.randn(t, kvh, d, generator=g)
+    queries = torch.tensor([2, 9, 22])
+    allowed = torch.rand(3, t, generator=g) < 0.4
+    allowed[torch.arange(3), queries] = True  # each row keeps its own position
+    allowed[1, 15:] = True  # past the query: still hidden by the causal mask
+    got = attention_probs(q, k, queries, chunk=chunk, allowed=allowed)
+    kk = k.repeat_interleave(h // kvh, dim=1)
+    for j, p in enumerate(queries.tolist()):
+        keep = torch.nonzero(allowed[j, :p + 1]).flatten()
+        s = torch.einsum("hd,shd->hs", q[p].double(), kk[keep].double()) / math.sqrt(d)
+        want = torch.zeros(t, dtype=torch.float64)
+        want[keep] = torch.softmax(s, dim=-1).mean(0)
+        assert torch.allclose(got[j].double(), want, atol=1e-6), f"row {p}: max error {(got[j] - want).abs().max()}"
+    dense = attention_probs(q, k, queries)
+    assert not torch.allclose(got, dense * allowed / (dense * allowed).sum(1, keepdim=True), atol=1e-4)
+
+
 def test_attending_to_every_position_is_dense(tiny):
     teacher = LlamaTeacher.from_gguf(str(tiny[0]), device="cpu")
     ids = torch.randint(0, tiny[1]["vocab"], (29,))

@@ -80,8 +80,9 @@ def _insert_at(filler: torch.Tensor, depth: float, tokenizer) -> int:
 
 
 def build(task: str, length: int, depth: float, kind: str, filler_of, tokenizer, g: torch.Generator) -> dict:
-    """One sample of ``length`` tokens: ``{"ids", "answer_at", "answer", "needles", ...}``. ``filler_of(n)``
-    returns ``n`` filler tokens; ``needles`` are the start positions of the needles, the one asked for first."""
+    """One sample of ``length`` tokens: ``{"ids", "question_at", "answer_at", "answer", "needles", ...}``.
+    ``filler_of(n)`` returns ``n`` filler tokens; ``needles`` are the start positions of the needles, the one
+    asked for first."""
     enc = lambda text: tokenizer.encode(text).ids  # noqa: E731
     if task == "passkey":
         kind, value = "digits", _digits(5, g)
@@ -116,6 +117,7 @@ def build(task: str, length: int, depth: float, kind: str, filler_of, tokenizer,
     ids = torch.cat(pieces)
     assert ids.numel() == length
     return {"task": task, "kind": kind, "depth": depth, "ids": ids, "answer_at": length - len(answer),
+            "question_at": length - len(answer) - len(question),
             "answer": value, "answer_tokens": answer, "filler_tokens": fill, "needles": starts, "needle_tokens": [len(n) for n in needles]}
 
 

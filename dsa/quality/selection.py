@@ -69,6 +69,14 @@ def selected_set_kl(logits: torch.Tensor, probs: torch.Tensor, selected: torch.T
     return warmup_kl(logits.masked_fill(~selected, float("-inf")), probs)
 
 
+def topk_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """``logits``-shaped bool (``[..., S]``): each query's ``k`` best causal positions (all of them while
+    they fit); ties at the k-th value go to the lowest positions, the inference top-k's rule."""
+    idx = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :k]
+    mask = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter_(-1, idx, True)
+    return mask & torch.isfinite(logits)
+
+
 # ---- selections ----------------------------------------------------------------------------
 def select(scores: torch.Tensor, queries: torch.Tensor, k: int) -> torch.Tensor:
     """``[Q, k]`` int32: the ``k`` best of ``scores[j, 0 : queries[j] + 1]`` (all of them when they fit), -1 padded."""

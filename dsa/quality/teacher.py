@@ -135,16 +135,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def attention_probs(q: torch.Tensor, k: torch.Tensor, queries: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+def attention_probs(q: torch.Tensor, k: torch.Tensor, queries: torch.Tensor, chunk: int = 64,
+                    allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Head-averaged causal softmax attention of chosen query positions.
 
     Args:
         q: ``[T, H, D]`` queries after RoPE; k: ``[T, KVH, D]`` keys after RoPE (``H % KVH == 0``).
         queries: ``[Q]`` int64 positions.
+        allowed: optional ``[Q, T]`` bool, the keys each query may attend to (a top-k selection: the
+            sparse model's attention, each head's softmax over its row's allowed keys); every row must
+            allow at least one key at or before its position.
 
     Returns:
         ``[Q, T]`` float32: ``mean_h softmax_s(q[p, h] . k[s, h // (H/KVH)] / sqrt(D))`` over
-        ``s <= p``, 0 past ``p``; each row sums to 1 (the head-summed attention, L1-normalized).
+        ``s <= p`` (and allowed), 0 elsewhere; each row sums to 1 (the head-summed attention, L1-normalized).
     """
     t, h, d = q.shape
     kk = k.float().repeat_interleave(h // k.shape[1], dim=1)  # [T, H, D]
@@ -153,7 +157,10 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, queries: torch.Tensor, chu
     for i in range(0, len(queries), chunk):
         rows = queries[i:i + chunk]
         score = torch.einsum("qhd,shd->qhs", q[rows].float(), kk) / math.sqrt(d)  # [C, H, T]
-        score = score.masked_fill((cols[None, :] > rows[:, None])[:, None, :], float("-inf"))
+        hidden = cols[None, :] > rows[:, None]
+        if allowed is not None:
+            hidden = hidden | ~allowed[i:i + chunk]
+        score = score.masked_fill(hidden[:, None, :], float("-inf"))
         out.append(torch.softmax(score, dim=-1).mean(dim=1))
     return torch.cat(out) if out else q.new_zeros((0, t), dtype=torch.float32)
 

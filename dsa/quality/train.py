@@ -42,7 +42,7 @@ from dsa.config import DSAConfig
 from dsa.kernels.indexer_query_prep import weight_scale
 from dsa.model.layers import RMSNorm
 from dsa.model.loading import FP8_BLOCK, quantize_fp8_block
-from dsa.quality.selection import selected_set_kl, warmup_kl
+from dsa.quality.selection import selected_set_kl, topk_mask, warmup_kl
 
 STAGES = ("dense", "warmup", "sparse")
 MTP_WEIGHT = 0.3  # DeepSeek-V3's MTP loss weight (its first 10T tokens)
@@ -171,14 +171,6 @@ def indexer_logits(indexer, x, qr, rot, b: int, s: int, rows=None) -> torch.Tens
                              torch.relu(torch.einsum("bqhd,bsd->bqhs", q[:, r0:r1], k))).float()
         out.append(score.masked_fill(cols[None, None, :] > rows[None, r0:r1, None], float("-inf")))
     return torch.cat(out, dim=1)
-
-
-def topk_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """``[B, S, S]`` bool: each query's ``k`` best causal positions (all of them while they fit); ties
-    at the k-th value go to the lowest positions, the inference top-k's rule."""
-    idx = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :k]
-    mask = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter_(-1, idx, True)
-    return mask & torch.isfinite(logits)
 
 
 def _layer(layer, x, rot, b: int, s: int, mode: str, topk: int, kl_rows, selected, observe=None, i=None):
