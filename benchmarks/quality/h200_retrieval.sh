@@ -21,7 +21,9 @@
 # it writes its indexers every --checkpoint-minutes) into $RUN/fit, continuing from the packaged indexers.
 # needle: `dsa needle` in the foreground for --max-minutes ${MINUTES:-8.5}, appending to $RUN/needle/needle.jsonl;
 # the same call again continues; a fresh machine resumes from a carried `.xfer/needle.jsonl`. INDEXERS=DIR
-# chooses the fitted rule's indexers (default: the fit's, else the packaged ones).
+# chooses the fitted rule's indexers (default: the fit's, else the packaged ones); TEXT=heldout-shakespeare
+# runs the held-out check into $RUN/needle-heldout-shakespeare. collect names each results file after its folder
+# (needle.jsonl for the main grid): carry it back as .xfer/needle.jsonl for the grid it belongs to.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 XFER=${XFER:-/tmp/xfer} DATA=${DATA:-/tmp/retrieval-data} RUN=${RUN:-/tmp/retrieval-run} SITE=${SITE:-/tmp/retrieval-site}
@@ -100,10 +102,11 @@ recall)
 needle)
     shift; prepare
     idx=${INDEXERS:-$(fitted)}
-    mkdir -p "$RUN/needle"
-    if [ -f .xfer/needle.jsonl ] && [ ! -f "$RUN/needle/needle.jsonl" ]; then cp .xfer/needle.jsonl "$RUN/needle/"; fi
+    text=${TEXT:-heldout} out=$RUN/needle${TEXT:+-$TEXT}
+    mkdir -p "$out"
+    if [ -f .xfer/needle.jsonl ] && [ ! -f "$out/needle.jsonl" ]; then cp .xfer/needle.jsonl "$out/"; fi
     set +e
-    $py -m dsa needle --gguf "$DATA"/*.gguf --indexers "$idx" --text "$DATA"/heldout/*.npy --out "$RUN/needle" \
+    $py -m dsa needle --gguf "$DATA"/*.gguf --indexers "$idx" --text "$DATA/$text"/*.npy --out "$out" \
         --max-minutes "${MINUTES:-8.5}" "$@" 2>&1 | tee -a "$RUN/needle.log" | grep -v "dsa needle: *[0-9]*%"
     rc=${PIPESTATUS[0]}
     set -e
@@ -111,17 +114,20 @@ needle)
     exit "$rc" ;;
 collect)
     mkdir -p "$OUT"
-    if [ -f "$RUN/needle/needle.jsonl" ]; then cp "$RUN/needle/needle.jsonl" "$OUT/"; fi
+    for d in "$RUN"/needle*/; do
+        if [ -f "$d/needle.jsonl" ]; then cp "$d/needle.jsonl" "$OUT/$(basename "$d").jsonl"; fi
+    done
     if ls "$RUN"/fit/layer_*.safetensors >/dev/null 2>&1; then
         tar -C "$RUN/fit" -cf "$OUT/indexers.tar" $(cd "$RUN/fit" && ls layer_*.safetensors fit.json); fi
     if ls "$RUN"/fit/dense-stage/layer_*.safetensors >/dev/null 2>&1; then
         tar -C "$RUN/fit/dense-stage" -cf "$OUT/indexers-dense-stage.tar" layer_*.safetensors fit.json; fi
     (cd "$RUN" && tar -cf "$OUT/results.tar" --exclude='*.safetensors' --exclude=needle.jsonl --exclude=fit.pid \
-        $(ls -d fit recall-* needle ./*.log 2>/dev/null)) || true
-    if [ -f "$RUN/needle/needle.json" ]; then
-        $py -c "import json, sys; r = json.load(open(sys.argv[1])); print('needle: samples', r['samples_done'], 'of', \
-r['samples_total'], 'complete' if r['complete'] else 'partial', r['seconds'], 's in', len(r['runs']), 'runs')" "$RUN/needle/needle.json"
-    fi
+        $(ls -d fit recall-* needle* ./*.log 2>/dev/null)) || true
+    for f in "$RUN"/needle*/needle.json; do
+        if [ -f "$f" ]; then $py -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[1], 'samples', \
+r['samples_done'], 'of', r['samples_total'], 'complete' if r['complete'] else 'partial', r['seconds'], 's in', \
+len(r['runs']), 'runs')" "$f"; fi
+    done
     ls -la "$OUT" ;;
 *) echo "usage: $0 pack [TEXT_DIR] [GGUF] | receive PART... | fit [ARGS] | wait SECONDS | recall NAME [DIR [ARGS]] | needle [ARGS] | collect" >&2
    exit 2 ;;
