@@ -217,8 +217,8 @@ def plot(result: dict, out_dir: str) -> str:
             xs = [100 * r[key] if key == "depth" else r[key] for r in pts]
             for j, rule in enumerate(a["rules"]):
                 acc = [r["rules"][rule]["accuracy"] for r in pts]
-                err = [[y - r["rules"][rule]["low"] for y, r in zip(acc, pts)],
-                       [r["rules"][rule]["high"] - y for y, r in zip(acc, pts)]]
+                err = [[max(0.0, y - r["rules"][rule]["low"]) for y, r in zip(acc, pts)],  # >= 0 despite rounding
+                       [max(0.0, r["rules"][rule]["high"] - y) for y, r in zip(acc, pts)]]
                 shift = j - (len(a["rules"]) - 1) / 2  # rules side by side, not on top of each other
                 at = [x + shift if key == "depth" else x * 2 ** (0.03 * shift) for x in xs]
                 ax.errorbar(at, acc, yerr=err, marker="o", ms=4, capsize=3, label=LABELS[rule], alpha=0.85)
