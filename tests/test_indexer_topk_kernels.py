@@ -167,3 +167,31 @@ def test_public_op_checks_its_arguments():
         K.indexer_topk_ragged(q8, w, k8, k_scale, z, z, 4, block_size=16)
     with pytest.raises(ValueError, match="cap"):
         _indexer_topk_ragged_triton(q8, w, k8, k_scale, z, z, 4, cap=100)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "exact"])
+def test_model_prefill_routes_fp8_rows_to_the_stream(precision, monkeypatch):
+    """A tiny model's prefill: FP8 sparse rows go to ``indexer_topk_ragged`` (its Triton kernels give the
+    chunked path's slots for the model's own arguments), exact ones to ragged logits then ``topk_slots``."""
+    import dsa.indexer.lightning as lightning
+    from tests.model_utils import prompt, tiny_model
+
+    calls = {"stream": 0, "chunked": 0}
+    real_stream, real_logits = lightning.indexer_topk_ragged, lightning.indexer_logits_ragged
+
+    def stream(q8, w, keys, k_scale, starts, ends, k, **table):
+        calls["stream"] += 1
+        got = real_stream(q8, w, keys, k_scale, starts, ends, k, **table, backend="triton")
+        slots = (table["block_table"], table["row_to_req"], table["seq_lens"], table["block_size"])
+        assert_same(got, chunked(q8, w, keys, k_scale, starts, ends, k, slots), "model rows")
+        return got
+
+    def logits(*args, **kw):
+        calls["chunked"] += 1
+        return real_logits(*args, **kw)
+
+    monkeypatch.setattr(lightning, "indexer_topk_ragged", stream)
+    monkeypatch.setattr(lightning, "indexer_logits_ragged", logits)
+    model = tiny_model(indexer_precision=precision, n_routed_experts=None)
+    model(torch.tensor([prompt(21, 1)]))
+    assert calls == ({"stream": 2, "chunked": 0} if precision == "fp8" else {"stream": 0, "chunked": 2}), calls
