@@ -298,7 +298,8 @@ def _indexer_topk_ragged_triton(q8, weights, k8, k_scale, starts, ends, k, slots
         splits = max(1, min(s_tiles, MAX_SPLITS, triton.cdiv(waves * sm_count(q8.device), t_tiles)))
     tiles_per_prog = triton.cdiv(s_tiles, max(1, splits))
     splits = triton.cdiv(s_tiles, tiles_per_prog) if s_tiles else 1
-    cand = cnt = sample = out
+    cand, cnt = out.new_empty((1,), dtype=torch.int64), out  # never read unless s > k (the types of their variant)
+    sample = out
     if s > k:  # else every row is dense: nothing is scored
         cand = torch.empty((t, splits * cap), dtype=torch.int64, device=q8.device)
         cnt = torch.empty((t, splits), dtype=torch.int32, device=q8.device)

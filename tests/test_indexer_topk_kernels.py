@@ -81,10 +81,10 @@ def assert_same(got, want, what):
 
 
 CASES = [  # (kind of inputs, kind of ranges, T, HI, S, k)
-    ("random", "causal", 7, 5, 701, 50),
-    ("ties", "causal", 5, 3, 900, 64),
+    ("random", "causal", 5, 5, 601, 50),
+    ("ties", "causal", 4, 3, 700, 64),
     ("nan", "windows", 14, 4, 650, 40),
-    ("increasing", "causal", 3, 2, 1300, 16),
+    ("increasing", "causal", 2, 2, 1100, 16),
     ("random", "windows", 12, 64, 389, 33),
 ]
 
@@ -134,14 +134,14 @@ def test_slots_of_several_requests_equal_the_chunked_path():
 def test_a_row_does_not_depend_on_the_batch():
     """Each row alone (one token, its own splits) equals the row in the batch, and in a batch of
     other rows in another order."""
-    t, hi, s, k = 6, 4, 600, 20
+    t, hi, s, k = 6, 4, 560, 20
     q8, w, k8, k_scale = make_inputs(t, hi, s, "ties", seed=9)
     starts, ends = make_ranges(t, s, k, "causal")
     batch = streamed(q8, w, k8, k_scale, starts, ends, k)
     perm = torch.tensor([4, 1, 5, 0, 3, 2])
     shuffled = streamed(q8[perm], w[perm], k8, k_scale, starts[perm], ends[perm], k, splits=2)
     assert_same(shuffled, batch[perm], "shuffled batch")
-    for r in (0, 3, 5):
+    for r in (0, 5):
         alone = streamed(q8[r:r + 1], w[r:r + 1], k8, k_scale, starts[r:r + 1], ends[r:r + 1], k)
         assert_same(alone, batch[r:r + 1], f"row {r} alone")
 
