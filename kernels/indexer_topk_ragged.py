@@ -50,7 +50,7 @@ from .topk.regions import bin_of, row_request
 from .topk.select import LBLOCK, SBLOCK, kth_value, refine, store_positions
 
 MAX_SPLITS = 16  # key splits per token tile at most (the workspace is T x splits x CAP entries)
-_NO_RUN = tl.constexpr(1 << 40)  # a sample run position past every row
+_NO_RUN = tl.constexpr(2**31 - 1)  # a sample run position past every row
 _RUNS = tl.constexpr(SAMPLE // SEG)  # the sample's runs of SEG columns
 
 
@@ -74,11 +74,11 @@ def indexer_topk_ragged_reference(q8, weights, k8, k_scale, starts, ends, k, slo
 
 @triton.jit
 def _next_run(x, n):
-    """Position (row-relative) of the first sample run starting at ``x`` or later (``[BLOCK_T]``
-    int64): run ``j`` starts at ``j * n // RUNS``, so ``j = ceil(x * RUNS / n)``; ``_NO_RUN`` if none."""
-    nn = tl.maximum(n, 1)
-    j = tl.where(x > 0, (x * _RUNS + nn - 1) // nn, 0)
-    return tl.where(j < _RUNS, j * nn // _RUNS, _NO_RUN)
+    """Position (row-relative, int32 ``[BLOCK_T]``) of the first sample run starting at ``x`` or later:
+    run ``j`` starts at ``j * n // RUNS``, so ``j = ceil(x * RUNS / n)``; ``_NO_RUN`` if none."""
+    nn = tl.maximum(n, 1).to(tl.int64)
+    j = tl.where(x > 0, (x.to(tl.int64) * _RUNS + nn - 1) // nn, 0)
+    return tl.where(j < _RUNS, j * nn // _RUNS, _NO_RUN).to(tl.int32)
 
 
 @triton.jit
@@ -87,8 +87,8 @@ def _store_sample(sample_ptr, t, key, rel, n, inside, sampled, SAMPLE: tl.conste
     row-relative columns): column ``rel`` lies in run ``j``, the last starting at or before it,
     at offset ``rel - j * n // RUNS``; runs do not overlap when ``n >= SAMPLE`` (``sampled`` rows)."""
     nn = tl.maximum(n, 1).to(tl.int64)[None, :]
-    j = ((rel + 1) * _RUNS - 1) // nn
-    off = rel - j * nn // _RUNS
+    j = ((rel.to(tl.int64) + 1) * _RUNS - 1) // nn
+    off = rel - (j * nn // _RUNS).to(tl.int32)
     m = inside & sampled[None, :] & (off < SEG)
     tl.store(sample_ptr + t[None, :] * SAMPLE + j * SEG + off, key, mask=m)
 
@@ -96,7 +96,7 @@ def _store_sample(sample_ptr, t, key, rel, n, inside, sampled, SAMPLE: tl.conste
 @triton.jit
 def _keep_best(region, n_c, k, LBLOCK: tl.constexpr):
     """Keep the k best of the ``n_c > k`` entries of ``region`` (their ties: the first ones) in place,
-    in order; returns the k-th best key (int64)."""
+    in order; returns the k-th best key."""
     tl.debug_barrier()  # the appends are written before they are read back
     t, rem = kth_value(region, n_c, k, INT_MIN, tl.full([], 32, tl.int32), tl.zeros([], tl.int64), LBLOCK)
     idx = tl.arange(0, LBLOCK)
@@ -113,7 +113,7 @@ def _keep_best(region, n_c, k, LBLOCK: tl.constexpr):
         tl.store(region + dest, e, mask=keep)
         n_out += tl.sum(keep.to(tl.int32), 0)
         n_eq += tl.sum(eq.to(tl.int32), 0)
-    return t + INT_MIN
+    return (t + INT_MIN).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_keys", "tiles_per_prog", "splits"],
@@ -138,37 +138,38 @@ def _stream_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, starts_ptr, ends_ptr, cand_ptr, 
     s_end = tl.minimum(s_begin + tiles_per_prog * BLOCK_S, num_keys)
     c_begin, c_tiles = scored_tiles(s_begin, s_end, lo, hi, BLOCK_S)
     rows = tl.arange(0, BLOCK_T)
-    region = cand_ptr + (t * splits + split) * CAP  # [BLOCK_T]
-    theta = tl.where(big, INT_MIN, 1 << 32).to(tl.int64)  # a key enters its row's region when >= theta
+    theta = tl.full([BLOCK_T], INT_MIN, tl.int32)  # a key enters its row's region when >= theta (and live)
+    live = big.to(tl.int32)  # 0: no key can enter (not scored, or a k-th best key of INT_MAX)
     cnt = tl.zeros([BLOCK_T], tl.int32)
     sampled = big & (n >= SAMPLE)  # rows whose sample is stored here (a shorter row's region is all of it)
-    s0_64 = s0.to(tl.int64)
-    p_next = tl.where(sampled, _next_run(c_begin - s0_64 - SEG + 1, n), _NO_RUN)  # the next run to store
+    p_next = tl.where(sampled, _next_run(c_begin - s0 - SEG + 1, n), _NO_RUN)  # the next run to store
     k_scale_next = first_scales(ks_ptr, c_begin, num_keys, BLOCK_S, TMA)
     for tile in tl.range(0, c_tiles, num_stages=STAGES):
         k0 = c_begin + tile * BLOCK_S
         pos = k0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
         keys, k_scale, k_scale_next = key_tile(k_ptr, ks_ptr, k0, num_keys, k_scale_next, D, BLOCK_S, TMA)
         key = key_of(tile_logits(keys, q_t, w, k_scale, BLOCK_S, BLOCK_T, HI_PAD))  # [BLOCK_S, BLOCK_T] int32
-        rel = pos.to(tl.int64)[:, None] - s0_64[None, :]
+        rel = pos[:, None] - s0[None, :]  # [BLOCK_S, BLOCK_T] int32
         inside = (rel >= 0) & (rel < n[None, :])
-        if tl.max((p_next < k0 + BLOCK_S - s0_64).to(tl.int32), axis=0) > 0:  # a sample run meets the tile
+        if tl.max((p_next < k0 + BLOCK_S - s0).to(tl.int32), axis=0) > 0:  # a sample run meets the tile
             _store_sample(sample_ptr, t, key, rel, n, inside, sampled, SAMPLE, SEG)
-            p_next = tl.where(sampled, _next_run(k0 + BLOCK_S - s0_64 - SEG + 1, n), _NO_RUN)
-        sel = inside & (key.to(tl.int64) >= theta[None, :])
+            p_next = tl.where(sampled, _next_run(k0 + BLOCK_S - s0 - SEG + 1, n), _NO_RUN)
+        sel = inside & (live[None, :] != 0) & (key >= theta[None, :])
         n_sel = tl.sum(sel.to(tl.int32), axis=0)  # [BLOCK_T]
         if tl.max(cnt + n_sel - CAP, axis=0) > 0:  # a region would overflow: it keeps its k best
             for j in tl.static_range(BLOCK_T):
                 cnt_j = tl.sum(tl.where(rows == j, cnt, 0), axis=0)
                 if cnt_j + tl.sum(tl.where(rows == j, n_sel, 0), axis=0) > CAP:
-                    theta_j = _keep_best(cand_ptr + ((t0 + j) * splits + split) * CAP, cnt_j, k, LBLOCK) + 1
-                    theta = tl.where(rows == j, theta_j, theta)
+                    kth = _keep_best(cand_ptr + ((t0 + j) * splits + split) * CAP, cnt_j, k, LBLOCK)
+                    theta = tl.where(rows == j, kth + (kth < 2**31 - 1).to(tl.int32), theta)
+                    live = tl.where(rows == j, (kth < 2**31 - 1).to(tl.int32), live)
                     cnt = tl.where(rows == j, k, cnt)
-            sel = inside & (key.to(tl.int64) >= theta[None, :])
+            sel = inside & (live[None, :] != 0) & (key >= theta[None, :])
             n_sel = tl.sum(sel.to(tl.int32), axis=0)
         if tl.sum(n_sel, axis=0) > 0:
             rank = tl.cumsum(sel.to(tl.int32), axis=0)
-            tl.store(region[None, :] + cnt[None, :] + rank - 1, (key.to(tl.int64) << 32) | rel, mask=sel)
+            dest = (t * splits + split) * CAP + cnt + rank - 1  # into the row's region of cand [T, splits, CAP]
+            tl.store(cand_ptr + dest, (key.to(tl.int64) << 32) | rel.to(tl.int64), mask=sel)
             cnt += n_sel
     tl.store(cnt_ptr + t * splits + split, cnt, mask=t_ok)
 
@@ -271,13 +272,14 @@ def default_cap(k: int, block_s: int = 64) -> int:
 
 
 def _indexer_topk_ragged_triton(q8, weights, k8, k_scale, starts, ends, k, slots=None, *, block_s=64, block_t=None,
-                                num_warps=8, stages=3, tma=False, waves=2, cap=None, splits=None, out=None, fill=None,
-                                scratch=None):
+                                num_warps=8, stages=3, tma=False, waves=2, cap=None, splits=None, maxnreg=None, out=None,
+                                fill=None, scratch=None):
     """The two launches. Tuning knobs (private; tests and ``dsa bench indexer``): the stream's tile
     (``block_s``, ``block_t``, ``num_warps``, ``stages``, ``tma``: ``indexer_logits_ragged``'s, whose
     defaults these are), ``waves`` (programs per SM to aim for), ``cap`` (region entries, at least
     ``k + block_s`` and ``SAMPLE``), ``splits`` (key splits; default: enough programs for ``waves``,
-    at most ``MAX_SPLITS``). Tests: ``out`` (written in place), ``fill`` (an int the workspace is filled
+    at most ``MAX_SPLITS``), ``maxnreg`` (a register cap per thread for the stream: at sm_90 and 8
+    warps it compiles to 254 registers, one program an SM; 128 allows two). Tests: ``out`` (written in place), ``fill`` (an int the workspace is filled
     with first: nothing may depend on it), ``scratch`` (a dict that receives the region counts
     ``[T, splits]``, the splits and the region size)."""
     t, hi, di = q8.shape
@@ -316,7 +318,8 @@ def _indexer_topk_ragged_triton(q8, weights, k8, k_scale, starts, ends, k, slots
         _stream_kernel[(t_tiles, splits)](
             q8, weights, keys, scales, starts, ends, cand, cnt, sample, t, s, tiles_per_prog, splits, k, cap,
             HI=hi, HI_PAD=hi_pad, BLOCK_T=block_t, D=di, BLOCK_S=block_s, TMA=keys is not k8, STAGES=stages,
-            SAMPLE=SAMPLE, SEG=SEG, LBLOCK=LBLOCK, num_warps=num_warps, num_stages=stages)
+            SAMPLE=SAMPLE, SEG=SEG, LBLOCK=LBLOCK, num_warps=num_warps, num_stages=stages,
+            **({} if maxnreg is None else dict(maxnreg=maxnreg)))
         if scratch is not None:
             scratch.update(counts=cnt, splits=splits, cap=cap)
     if slots is None:

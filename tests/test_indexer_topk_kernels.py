@@ -35,7 +35,7 @@ def make_inputs(t, hi, s, kind, seed=0):
         k = k[torch.randint(0, 5, (s,), generator=g)]
         k_scale = torch.ones(s)
     elif kind == "nan":
-        k_scale[::7] = float("nan")
+        k_scale.view(torch.int32)[::7] = 0x7FFFFFFF  # the GPU's NaN: the top key, more than k of them
         k_scale[3::11] = float("inf")
         w[1] = float("nan")  # a row of NaN
         w[2, 0] = float("-inf")  # -inf or NaN (0 * -inf) wherever head 0 scores

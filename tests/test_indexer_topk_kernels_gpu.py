@@ -61,7 +61,7 @@ def test_slots_equal_the_chunked_path():
 
 
 KNOBS = [dict(tma=True), dict(stages=4), dict(tma=True, stages=4), dict(splits=1), dict(splits=16),
-         dict(cap=K_TOP + 64), dict(cap=4 * K_TOP), dict(waves=4)]
+         dict(cap=K_TOP + 64), dict(cap=4 * K_TOP), dict(waves=4), dict(maxnreg=128)]
 
 
 def test_knobs_runs_and_graph_replay_change_nothing():

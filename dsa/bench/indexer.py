@@ -225,7 +225,8 @@ RAGGED_VARIANTS = [
 ]
 
 STREAM_VARIANTS = [dict(), dict(tma=True), dict(stages=4), dict(tma=True, stages=4), dict(stages=2),
-                   dict(cap=4 * K), dict(waves=1), dict(waves=4)]
+                   dict(cap=4 * K), dict(waves=1), dict(waves=4), dict(maxnreg=128), dict(maxnreg=168),
+                   dict(maxnreg=128, tma=True)]
 
 
 def _knobs(kw: dict) -> str:
