@@ -272,16 +272,17 @@ def default_cap(k: int, block_s: int = 64) -> int:
 
 
 def _indexer_topk_ragged_triton(q8, weights, k8, k_scale, starts, ends, k, slots=None, *, block_s=64, block_t=None,
-                                num_warps=8, stages=3, tma=False, waves=2, cap=None, splits=None, maxnreg=None, out=None,
-                                fill=None, scratch=None):
+                                num_warps=8, stages=3, tma=False, waves=2, cap=None, splits=None, maxnreg=None,
+                                out=None, fill=None, scratch=None):
     """The two launches. Tuning knobs (private; tests and ``dsa bench indexer``): the stream's tile
     (``block_s``, ``block_t``, ``num_warps``, ``stages``, ``tma``: ``indexer_logits_ragged``'s, whose
     defaults these are), ``waves`` (programs per SM to aim for), ``cap`` (region entries, at least
     ``k + block_s`` and ``SAMPLE``), ``splits`` (key splits; default: enough programs for ``waves``,
     at most ``MAX_SPLITS``), ``maxnreg`` (a register cap per thread for the stream: at sm_90 and 8
-    warps it compiles to 254 registers, one program an SM; 128 allows two). Tests: ``out`` (written in place), ``fill`` (an int the workspace is filled
-    with first: nothing may depend on it), ``scratch`` (a dict that receives the region counts
-    ``[T, splits]``, the splits and the region size)."""
+    warps it compiles to 254 registers, one program an SM; 128 allows two). Tests: ``out`` (written
+    in place), ``fill`` (an int the workspace is filled with first: nothing may depend on it),
+    ``scratch`` (a dict that receives the region counts ``[T, splits]``, the splits and the region
+    size)."""
     t, hi, di = q8.shape
     s = k8.shape[0]
     if out is None:
