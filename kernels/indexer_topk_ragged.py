@@ -231,10 +231,10 @@ def _place_bins(lst, n_list, lo, shift, b, out_row, bt_row, seq_len, MB, P, SLOT
 
 @triton.jit(do_not_specialize=["num_keys", "splits", "stride_bt", "B", "MB"],
             do_not_specialize_on_alignment=["starts_ptr", "ends_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"])
-def _finish_kernel(starts_ptr, ends_ptr, num_keys, out_ptr, cand_ptr, cnt_ptr, sample_ptr, bt_ptr, stride_bt,
-                   row_to_req_ptr, seq_lens_ptr, B, MB, P, splits, k, CAP, SLOTS: tl.constexpr,
-                   SAMPLE: tl.constexpr, SEG: tl.constexpr, Z: tl.constexpr, BLOCK: tl.constexpr,
-                   SBLOCK: tl.constexpr, LBLOCK: tl.constexpr):
+def _stream_finish_kernel(starts_ptr, ends_ptr, num_keys, out_ptr, cand_ptr, cnt_ptr, sample_ptr, bt_ptr,
+                          stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P, splits, k, CAP, SLOTS: tl.constexpr,
+                          SAMPLE: tl.constexpr, SEG: tl.constexpr, Z: tl.constexpr, BLOCK: tl.constexpr,
+                          SBLOCK: tl.constexpr, LBLOCK: tl.constexpr):
     # program (row): a row of at most k keys is 0 .. n - 1 then -1; a longer one is what the top-k
     # writes for its logits, made from the row's regions.
     r = tl.program_id(0).to(tl.int64)
@@ -328,7 +328,7 @@ def _indexer_topk_ragged_triton(q8, weights, k8, k_scale, starts, ends, k, slots
     else:
         bt, row_to_req, seq_lens, block_size = slots
         bt, row_to_req, seq_lens = bt.contiguous(), row_to_req.contiguous(), seq_lens.contiguous()
-    _finish_kernel[(t,)](
+    _stream_finish_kernel[(t,)](
         starts, ends, s, out, cand, cnt, sample, bt, bt.stride(0), row_to_req, seq_lens, bt.shape[0], bt.shape[1],
         block_size, splits, k, cap, SLOTS=slots is not None, SAMPLE=SAMPLE, SEG=SEG, Z=Z, BLOCK=BLOCK,
         SBLOCK=SBLOCK, LBLOCK=LBLOCK, num_warps=4)
