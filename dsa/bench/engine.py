@@ -51,11 +51,16 @@ def demo_models(device, tp_size: int = 1) -> dict:
     under tensor parallelism)."""
     cfg = DSAConfig.deepseek_v32(**GPU_DEFAULT)
     dsa_model = DSAModel.random(cfg, seed=0, dtype=torch.bfloat16, device=device, tp_size=tp_size)
-    with torch.device(device):
-        dense = DSAModel(cfg.replace(index_topk=None), tp=dsa_model.tp)
-    missing, _ = dense.load_state_dict(dsa_model.state_dict(), strict=False)
+    return {"dsa": dsa_model, "dense": without_indexer(dsa_model)}
+
+
+def without_indexer(model: DSAModel) -> DSAModel:
+    """The same weights (this rank's shard) without the indexer: dense attention over every position."""
+    with torch.device(model.device):
+        dense = DSAModel(model.config.replace(index_topk=None), tp=model.tp)
+    missing, _ = dense.load_state_dict(model.state_dict(), strict=False)
     assert not missing, missing
-    return {"dsa": dsa_model, "dense": dense.finalize(torch.bfloat16, device)}
+    return dense.finalize(model.dtype, model.device)
 
 
 def fill_caches(engine: Engine, g: torch.Generator) -> None:

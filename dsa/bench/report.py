@@ -91,9 +91,9 @@ def render_markdown(docs: list[dict]) -> str:
         seen.add(d["op"])
         newest.append(d)
         c, e = d["ceilings"], d["env"]
-        lines.append(f"| `{d['path']}` | {e.get('gpu', '?')} | {c['copy_tbps']:.2f} | {c['bf16_tflops']:.0f} | "
-                     f"{c['fp8_tflops']:.0f} | {e.get('torch', '')} | {e.get('triton', '')} | "
-                     f"`{e.get('git_sha', '')[:10]}` |")
+        lines.append(f"| `{d['path']}` | {e.get('gpu', e.get('cpu', '?'))} | {_num(c.get('copy_tbps'), '.2f')} | "
+                     f"{_num(c.get('bf16_tflops'), '.0f')} | {_num(c.get('fp8_tflops'), '.0f')} | "
+                     f"{e.get('torch', '')} | {e.get('triton', '')} | `{e.get('git_sha', '')[:10]}` |")
     rows = [r for d in sorted(newest, key=lambda d: d["op"]) for r in d["rows"] if target(r)[1] is not None]
     if rows:
         lines += ["", "Rows with a target (every other row is in the JSON):", "",

@@ -3,8 +3,8 @@ started server, the requests and their statistics; the command (options, run, re
 :mod:`dsa.commands.bench_serve`, the soak mix :mod:`dsa.bench.soak`.
 
 It starts ``dsa serve`` in a subprocess on a free loopback port (``--preset``, ``--checkpoint``,
-``--device``, ``--max-batch-tokens``, ``--num-blocks`` pass through) and times it to a healthy
-``/health``, or targets a running server (``--url``). Then it streams ``/v1/completions``
+``--device``, ``--max-batch-tokens``, ``--num-blocks``, ``--max-model-len`` pass through) and times
+it to a healthy ``/health``, or targets a running server (``--url``). Then it streams ``/v1/completions``
 requests: prompts are token ids (exact lengths), random words from a fixed word list (seeded; each
 prompt starts with its own number, so no two share a cached block), spans of ``--dataset FILE``, or
 with ``--shared-prefix N`` groups of N questions on one document. Requests go out with at most
@@ -125,7 +125,7 @@ class StartedServer:
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "dsa", "serve", "--port", str(port), "--max-batch-tokens",
                str(args.max_batch_tokens)]
-        for flag in ("preset", "checkpoint", "device", "dtype", "num_blocks"):
+        for flag in ("preset", "checkpoint", "device", "dtype", "num_blocks", "max_model_len"):
             if getattr(args, flag) is not None:
                 cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="dsa-bench-serve-", suffix=".log", delete=False)

@@ -6,6 +6,8 @@ writes the file.
 
 ``dsa bench serve`` is the exception: a load generator for ``dsa serve`` (no ceilings, no GPU needed;
 :mod:`dsa.commands.bench_serve`). ``render`` and ``plot`` read committed JSON (no GPU either).
+``dsa bench long`` also runs on CPU (tiny shapes, no ceilings: a smoke run), and writes a figure
+beside its JSON.
 """
 import importlib
 import os
@@ -13,7 +15,7 @@ import shlex
 
 from dsa.bench.report import format_rows, load_results, render_markdown, tp_compare, update_readme
 from dsa.commands import bench_serve
-from dsa.commands.options import add_model_arguments, add_overwrite_argument, refuse_to_overwrite
+from dsa.commands.options import add_model_arguments, add_overwrite_argument, device_from_args, refuse_to_overwrite
 
 TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> rows
     "indexer": "dsa.bench.indexer",
@@ -25,8 +27,12 @@ TIMED = {  # subcommand -> module with run(device, timer, ceilings, args) -> row
     "engine": "dsa.bench.engine",
     "prefix": "dsa.bench.prefix",
     "allreduce": "dsa.bench.allreduce",
+    "long": "dsa.bench.long",
 }
 DISTRIBUTED = ("allreduce",)  # ops that run under torchrun only
+ON_CPU = ("long",)  # ops that also run on CPU (no ceilings there)
+FIGURED = ("long",)  # ops whose module writes a figure beside the JSON (write_figure)
+LENGTHS = "131072,262144,524288,1048576"
 
 
 def add_parser(sub) -> None:
@@ -50,6 +56,12 @@ def add_parser(sub) -> None:
     p.add_argument("--figures", default="benchmarks/figures", help="plot: folder for the PNGs (default: %(default)s)")
     p.add_argument("--readme", default=None, help="render: README to update between the perf markers")
     p.add_argument("--git-sha", default=None, help="record this commit (default: what git rev-parse HEAD says here)")
+    p.add_argument("--lengths", default=LENGTHS, help="long: prompt tokens of each row, comma-separated "
+                   "(default: %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=32, help="long: tokens each request decodes (default: "
+                   "%(default)s)")
+    p.add_argument("--dense-up-to", type=int, default=131072, help="long: also run the dense path (the same "
+                   "weights without the indexer) at the lengths up to this (default: %(default)s)")
     g = p.add_argument_group("serve", "dsa bench serve: the server it starts (model options) and the load")
     add_model_arguments(g)
     bench_serve.add_arguments(g)
@@ -71,6 +83,8 @@ def check_ranks(args) -> None:
     if args.tp > 1 and not under_torchrun:
         raise SystemExit(f"{what}: --tp {args.tp} needs one process per rank: "
                          f"`torchrun --nproc-per-node {args.tp} -m dsa bench {args.op} --tp {args.tp}`")
+    if getattr(args, "max_model_len", None) is not None and args.op not in ("long", "serve"):
+        raise SystemExit(f"{what}: --max-model-len applies to `dsa bench long` and `dsa bench serve` only")
     if under_torchrun and args.op not in DISTRIBUTED and world != args.tp:
         raise SystemExit(f"{what}: --tp {args.tp} but torchrun started {world} ranks" if args.op == "engine" else
                          f"{what}: runs in one process, but torchrun started {world} ranks")
@@ -134,13 +148,43 @@ def render(args) -> int:
     return 0
 
 
+def check_long(args) -> None:
+    """``dsa bench long``'s sizes, one line each, before any work."""
+    from dsa.bench.long import parse_lengths
+
+    try:
+        args.lengths = parse_lengths(args.lengths)
+    except ValueError as e:
+        raise SystemExit(f"dsa bench long: {e}") from None
+    for flag, value in (("--new-tokens", args.new_tokens), ("--dense-up-to", args.dense_up_to),
+                        ("--max-batch-tokens", args.max_batch_tokens), ("--max-model-len", args.max_model_len)):
+        if value is not None and value < 1:
+            raise SystemExit(f"dsa bench long: {flag} must be at least 1, got {value}")
+    need = max(args.lengths) + args.new_tokens
+    if args.max_model_len is not None and args.max_model_len < need:
+        raise SystemExit(f"dsa bench long: --max-model-len {args.max_model_len} is less than the longest length "
+                         f"plus --new-tokens ({need})")
+
+
+def bench_device(args):
+    """The device the op runs on: CUDA (one line when none is visible), or for the ops that also
+    run on CPU, ``--device`` (default: cuda when available)."""
+    if args.op in ON_CPU:
+        return device_from_args(args, f"bench {args.op}")
+    return require_cuda(args.op)
+
+
 def timed(args) -> int:
-    """Same-run ceilings, then the op's rows (``ceilings`` alone: none), written by rank 0."""
+    """Same-run ceilings (on CUDA), then the op's rows (``ceilings`` alone: none), written by rank 0."""
+    import platform
+
     from dsa.bench.harness import Timer, gpu_slug, measure_ceilings, result_path, write_result
     from dsa.report import env_info
 
     check_ranks(args)
-    device = require_cuda(args.op)
+    if args.op == "long":
+        check_long(args)
+    device = bench_device(args)
     if "LOCAL_RANK" in os.environ:  # torchrun: this rank's GPU, before anything allocates
         import torch
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -149,18 +193,23 @@ def timed(args) -> int:
     env = env_info()
     if args.git_sha:
         env["git_sha"] = args.git_sha
+    if device.type == "cpu":
+        env.update(cpu=platform.processor() or platform.machine(), cpus=os.cpu_count())
     op = args.op if args.tp == 1 else f"{args.op}-tp{args.tp}"
+    path = result_path(op, env, args.out)
     if rank0:
-        refuse_to_overwrite(f"bench {args.op}", "--out", [result_path(op, env, args.out)] + (
-            [os.path.join(args.out, f"dispatch_{gpu_slug(env['gpu'])}.json")] if args.op == "crossover" else []),
-            args.overwrite)
-    say(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  git {env['git_sha'][:12]}")
-    ceilings = measure_ceilings(device)
-    say("ceilings: copy {copy_tbps:.2f} TB/s, bf16 {bf16_tflops:.0f} TFLOP/s (p10 {bf16_tflops_p10:.0f}), "
-        "fp8 {fp8_tflops:.0f} TFLOP/s".format(**ceilings))
+        refuse_to_overwrite(f"bench {args.op}", "--out", [path] + (
+            [os.path.join(args.out, f"dispatch_{gpu_slug(env['gpu'])}.json")] if args.op == "crossover" else []) + (
+            [os.path.splitext(path)[0] + ".png"] if args.op in FIGURED else []), args.overwrite)
+    say(f"{env.get('gpu', 'cpu')}  torch {env['torch']}  triton {env['triton']}  git {env['git_sha'][:12]}")
+    ceilings = {}
+    if device.type == "cuda":
+        ceilings = measure_ceilings(device)
+        say("ceilings: copy {copy_tbps:.2f} TB/s, bf16 {bf16_tflops:.0f} TFLOP/s (p10 {bf16_tflops_p10:.0f}), "
+            "fp8 {fp8_tflops:.0f} TFLOP/s".format(**ceilings))
     rows = []
     if args.op in TIMED:
-        timer = Timer(device, reps=args.reps)
+        timer = Timer(device, reps=args.reps) if device.type == "cuda" else None
         rows = importlib.import_module(TIMED[args.op]).run(device, timer, ceilings, args)
     if not rank0:
         return 0
@@ -169,4 +218,16 @@ def timed(args) -> int:
                               "command_line": command_line(args)})
     print(format_rows(rows))
     print(f"wrote {path}")
+    if args.op in FIGURED and rows:
+        write_figure(importlib.import_module(TIMED[args.op]), path, rows, env)
     return 0
+
+
+def write_figure(module, path: str, rows: list, env: dict) -> None:
+    """The op's figure beside its JSON, or a line saying why there is none (no matplotlib)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print("no figure: matplotlib is not installed (pip install matplotlib)")
+        return
+    print(f"wrote {module.write_figure(path, rows, env)}")

@@ -13,11 +13,14 @@ import time
 from dsa.commands.options import (
     add_cpu_threads_argument,
     add_device_argument,
+    add_max_model_len_argument,
     add_overwrite_argument,
     add_preset_argument,
+    check_max_model_len,
     checkpoint_errors,
     cpu_threads_from_args,
     device_from_args,
+    max_model_len_errors,
     refuse_to_overwrite,
 )
 
@@ -28,11 +31,12 @@ def add_parser(sub) -> None:
     add_preset_argument(p)
     p.add_argument("--context", type=int, help="prompt tokens (default: 4096 on CPU; on a GPU 16384 minus "
                    "--new-tokens for the embedded default, 32768 for a preset or checkpoint; at most what the "
-                   "model's max_position_embeddings leaves)")
+                   "model's max_position_embeddings, or --max-model-len, leaves)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
     p.add_argument("--batch", type=int, default=1, help="requests generated together (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, help="rows per step, the prefill chunk (default: an eighth of "
                    "the prompt, rounded up to a block, at most 8192)")
+    add_max_model_len_argument(p)
     add_device_argument(p)
     add_cpu_threads_argument(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each: start with "
@@ -86,12 +90,16 @@ def run(args) -> int:
     device = device_from_args(args, "demo")
     refuse_to_overwrite("demo", "--json", [args.json] if args.json else [], args.overwrite)
     check_sizes(args)
+    check_max_model_len(args, "demo")
     cpu_threads = cpu_threads_from_args(args, "demo")
     threads = apply_cpu_threads(cpu_threads) if device.type == "cpu" or cpu_threads is not None else None
     t0 = time.perf_counter()
     model = build_model(args, device)
     load_s = time.perf_counter() - t0
-    context = demo_context(args, device, model.config.max_position_embeddings)
+    if args.max_model_len is not None:
+        with max_model_len_errors("demo"):
+            model.set_max_model_len(args.max_model_len)  # a preset's raised, a checkpoint's refused
+    context = demo_context(args, device, args.max_model_len or model.config.max_position_embeddings)
     prompts, tokenizer = demo_prompts(args, model.config, context)
     engine = build_engine(args, model, device, context, tokenizer)
     quiet = model.tp.rank != 0  # under tensor parallelism rank 0 reports
@@ -123,18 +131,20 @@ def check_sizes(args) -> None:
 def demo_context(args, device, max_positions: int) -> int:
     """The prompt length: ``--context``, else the default for the model and device (16384 minus
     ``--new-tokens`` for the embedded default on a GPU, 32768 for a preset or checkpoint, 4096 on CPU),
-    at most what the model's ``max_position_embeddings`` leaves after ``--new-tokens``."""
+    at most what ``max_positions`` (``--max-model-len``, else the model's ``max_position_embeddings``)
+    leaves after ``--new-tokens``."""
     room = max_positions - args.new_tokens
+    limit = (f"--max-model-len {max_positions}" if getattr(args, "max_model_len", None)
+             else f"the model's max_position_embeddings {max_positions}")
     if args.context is not None:
         if args.context > room:
-            raise SystemExit(f"dsa demo: --context: {args.context} + --new-tokens {args.new_tokens} exceed the "
-                             f"model's max_position_embeddings {max_positions}")
+            raise SystemExit(f"dsa demo: --context: {args.context} + --new-tokens {args.new_tokens} exceed "
+                             f"{limit}")
         return args.context
     trained = not (args.checkpoint or args.preset)
     default = (16384 - args.new_tokens if trained else 32768) if device.type == "cuda" else 4096
     if room < 1:
-        raise SystemExit(f"dsa demo: --new-tokens: {args.new_tokens} leave no prompt within the model's "
-                         f"max_position_embeddings {max_positions}")
+        raise SystemExit(f"dsa demo: --new-tokens: {args.new_tokens} leave no prompt within {limit}")
     return min(default, room)
 
 
@@ -159,7 +169,8 @@ def build_engine(args, model, device, context: int, tokenizer):
     cfg = model.config
     per_request = cdiv(context + args.new_tokens, cfg.block_size)
     chunk = args.max_batch_tokens or min(8192, cdiv(context * args.batch, 8 * cfg.block_size) * cfg.block_size)
-    engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=chunk, tokenizer=tokenizer)
+    engine = Engine(model, num_blocks=per_request * args.batch, max_batch_tokens=chunk, tokenizer=tokenizer,
+                    max_model_len=args.max_model_len)
     if device.type == "cuda":
         report = engine.warmup(progress=not model.tp.rank)
         if not model.tp.rank:

@@ -17,7 +17,33 @@ def add_model_arguments(p) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="rows per step (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once; later ones wait "
                    "(default: %(default)s)")
+    add_max_model_len_argument(p)
     add_cpu_threads_argument(p)
+
+
+def add_max_model_len_argument(p) -> None:
+    p.add_argument("--max-model-len", type=int, help="the longest request in tokens, prompt and output (default: "
+                   "the model's max_position_embeddings); a --preset may go past it (to 1M and more: warned past "
+                   "the RoPE's trained range), a checkpoint may not")
+
+
+def check_max_model_len(args, command: str) -> None:
+    """``--max-model-len``, when given, is at least 1 (one line, before any model is built)."""
+    value = getattr(args, "max_model_len", None)
+    if value is not None and value < 1:
+        raise SystemExit(f"dsa {command}: --max-model-len must be at least 1, got {value}")
+
+
+@contextlib.contextmanager
+def max_model_len_errors(command: str):
+    """Inside: a ValueError about ``max_model_len`` (a checkpoint's limit) exits with one line
+    naming ``--max-model-len``."""
+    try:
+        yield
+    except ValueError as e:
+        if not str(e).startswith("max_model_len:"):
+            raise
+        raise SystemExit(f"dsa {command}: --max-model-len{str(e)[len('max_model_len'):]}") from None
 
 
 def add_preset_argument(p) -> None:
@@ -92,11 +118,14 @@ def llm_from_args(args, command: str):
     from dsa.serve.llm import LLM
 
     device_from_args(args, command)
+    check_max_model_len(args, command)
 
     options = {"max_batch_tokens": args.max_batch_tokens, "max_num_seqs": args.max_num_seqs,
                "cpu_threads": cpu_threads_from_args(args, command)}
     if args.num_blocks is not None:
         options["num_blocks"] = args.num_blocks
+    if args.max_model_len is not None:
+        options["max_model_len"] = args.max_model_len
     dtype = getattr(torch, args.dtype) if args.dtype else None
     tp_size = getattr(args, "tp", 1)
     if getattr(args, "preset", None) is not None:
@@ -104,8 +133,10 @@ def llm_from_args(args, command: str):
         from dsa.serve.tokenizer import ByteTokenizer
         if args.checkpoint is not None:
             raise SystemExit("--preset: give --checkpoint or --preset, not both")
-        return LLM.from_model(preset_model(args.preset, args.device, dtype, tp_size=tp_size), ByteTokenizer(), **options)
-    with checkpoint_errors(command, args.checkpoint):
+        model = preset_model(args.preset, args.device, dtype, tp_size=tp_size)
+        with max_model_len_errors(command):
+            return LLM.from_model(model, ByteTokenizer(), **options)
+    with checkpoint_errors(command, args.checkpoint), max_model_len_errors(command):
         return LLM(args.checkpoint, device=args.device, dtype=dtype, tp_size=tp_size, **options)
 
 

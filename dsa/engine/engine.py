@@ -25,6 +25,7 @@ import itertools
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,11 +57,53 @@ class CheckedPrompt:
 
 
 @dataclass
+class PrefillStep:
+    """A step that computed chunks of long prompts (longer than ``max_batch_tokens``), as
+    :attr:`EngineStats.prefill_steps` keeps it: each such chunk's request, first position and rows,
+    the step's decode rows, and its time (shared by every row of the step)."""
+    chunks: tuple  # (request id, first position, rows) of each chunk of a long prompt
+    decode_rows: int
+    ms: float  # device time (CUDA events around the step's launch; on CPU, its wall time)
+
+
+class _StepClock:
+    """Times a launched step without waiting for it: CUDA events on the stream (read once the
+    step has finished), or the wall clock on CPU, where ops run as they are called."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.end = time.perf_counter()
+
+    def ms(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end)
+        return 1e3 * (self.end - self.start)
+
+
+@dataclass
 class _InFlight:
     """A launched step: its sampled tokens on their way (on the device, ``sample.tokens``, for the
-    next step's pending inputs) and the rows that sampled for a request."""
+    next step's pending inputs), the rows that sampled for a request, and (a step with prefill
+    chunks) its clock and chunks."""
     sample: PendingSample
     sampled: list  # SampledRow
+    clock: _StepClock | None = None
+    chunks: tuple = ()
+    decode_rows: int = 0
+
+
+PREFILL_STEPS = 4096  # prefill steps EngineStats keeps (a 1M-token prompt in chunks of 8192 takes 128)
 
 
 @dataclass
@@ -78,6 +121,8 @@ class EngineStats:
     compiles_after_warmup: int | None = None  # of them, after this engine's warm-up (None before one ran)
     blocks_in_use: int = 0  # cache blocks held by requests now
     prefix: PrefixStats = field(default_factory=PrefixStats)  # the prefix cache's counters now
+    # the last PREFILL_STEPS steps with chunks of long prompts (PrefillStep): a long prompt's cost by position
+    prefill_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=PREFILL_STEPS))
 
 
 class Engine:
@@ -92,7 +137,10 @@ class Engine:
     tokens back, so the host's work hides behind the GPU's (a decode row's input token is read on
     the device from the step before; a request that stops at step N has a row in step N+1 whose
     token is dropped); False: each step finishes before the next is scheduled. Tokens are the
-    same either way.
+    same either way. ``max_model_len``: the most tokens (prompt + generated) a request may have
+    (None: the config's ``max_position_embeddings``); past the config's limit, a model of random
+    weights has it raised (one warning past the RoPE's trained range) and a checkpoint refuses it
+    (:meth:`~dsa.model.DSAModel.set_max_model_len`). The decode graphs' context buckets reach it.
 
     Requests: :meth:`add_request` (token ids + :class:`~dsa.engine.sampling.SamplingParams`, or the
     ``max_new_tokens`` shorthand: greedy), :meth:`abort`, :meth:`step`; :meth:`stream` and
@@ -101,13 +149,18 @@ class Engine:
 
     def __init__(self, model, num_blocks: int | None = None, memory_bytes: int | None = None,
                  max_batch_tokens: int = 8192, max_num_seqs: int = 256, cuda_graphs: bool | None = None,
-                 prefix_caching: bool = True, tokenizer=None, overlap: bool = True):
+                 prefix_caching: bool = True, tokenizer=None, overlap: bool = True, max_model_len: int | None = None):
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("num_blocks / memory_bytes: give exactly one of them")
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, minimum=1)
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, minimum=1)
+        if max_model_len is not None:
+            model.set_max_model_len(max_model_len)  # raises a random model's limit, refuses past a checkpoint's
         self.model = model
         self.config = c = model.config
+        self.max_model_len = c.max_position_embeddings if max_model_len is None else max_model_len
+        # the limit as errors name it
+        self.max_model_len_name = "max_position_embeddings" if max_model_len is None else "max_model_len"
         if num_blocks is None:
             num_blocks = int(memory_bytes) // (bytes_per_token(c, model.dtype) * c.block_size)
         num_blocks = check_int("num_blocks", num_blocks, minimum=1)
@@ -115,7 +168,8 @@ class Engine:
         namespace = repr((c, str(model.dtype)))  # what changes a block's content besides its tokens
         self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens, max_num_seqs=max_num_seqs,
                                    prefix_caching=prefix_caching, namespace=namespace)
-        self.runner = ModelRunner(model, num_blocks, cuda_graphs, max_num_seqs=max_num_seqs)
+        self.runner = ModelRunner(model, num_blocks, cuda_graphs, max_num_seqs=max_num_seqs,
+                                  max_model_len=self.max_model_len)
         self.sampler = Sampler(c.vocab_size, model.device)
         self.tokenizer = tokenizer
         self.lock = threading.RLock()
@@ -185,16 +239,17 @@ class Engine:
     def warmup(self, progress: bool = True) -> dict:
         """Compile every kernel and capture every CUDA graph this engine can launch, before any
         request: prefill chunks of each size class up to ``max_batch_tokens``, decode steps at
-        every batch and context bucket up to the model's context (or the pool's, when smaller),
-        and the sampler's paths. Returns what it did (steps, graphs captured, seconds, bytes the
-        graphs hold). Triton keeps what it compiled on disk (``~/.triton/cache``, or
-        ``TRITON_CACHE_DIR``), so a second start of the same model compiles nothing."""
+        every batch bucket up to ``max_num_seqs`` and context bucket up to ``max_model_len`` (or
+        the pool's, when smaller), and the sampler's paths. Returns what it did (steps, graphs
+        captured, seconds, bytes the graphs hold). Triton keeps what it compiled on disk
+        (``~/.triton/cache``, or ``TRITON_CACHE_DIR``), so a second start of the same model
+        compiles nothing."""
         with self.lock:
             if self.has_work() or self.scheduler.blocks.num_used:
                 raise RuntimeError("warmup: call it before any request is added")
-            max_context = min(self.config.max_position_embeddings, self.capacity_tokens)
-            report = self.runner.warmup(self.max_batch_tokens, max_context,
-                                        max_decode_rows=min(self.max_batch_tokens, self.num_blocks), progress=progress)
+            max_context = min(self.max_model_len, self.capacity_tokens)
+            rows = min(self.max_batch_tokens, self.num_blocks, self.scheduler.max_num_seqs)
+            report = self.runner.warmup(self.max_batch_tokens, max_context, max_decode_rows=rows, progress=progress)
             logits = torch.zeros(2, self.config.vocab_size, device=self.model.device)
             for params in ([SamplingParams(temperature=0)] * 2,
                            [SamplingParams(temperature=0.7, top_p=0.9, top_k=5, logprobs=2), SamplingParams()]):
@@ -233,9 +288,9 @@ class Engine:
         if sampling.logprobs is not None and sampling.logprobs > vocab:
             raise ValueError(f"logprobs: at most the vocabulary size {vocab}, got {sampling.logprobs}")
         total = len(prompt) + sampling.max_tokens
-        if total > self.config.max_position_embeddings:
+        if total > self.max_model_len:
             raise ValueError(f"prompt_ids: {len(prompt)} + max_new_tokens {sampling.max_tokens} = {total} tokens "
-                             f"exceed max_position_embeddings {self.config.max_position_embeddings}")
+                             f"exceed {self.max_model_len_name} {self.max_model_len}")
         blocks = self.scheduler.blocks_for(total)
         if blocks > self.num_blocks:
             raise ValueError(f"prompt_ids: {total} tokens need {blocks} blocks; the engine holds "
@@ -245,7 +300,7 @@ class Engine:
     def _limits(self) -> tuple:
         """What :meth:`check_request` checks a request against."""
         c = self.config
-        return c.vocab_size, c.max_position_embeddings, self.num_blocks, c.block_size, self.tokenizer is not None
+        return c.vocab_size, self.max_model_len, self.num_blocks, c.block_size, self.tokenizer is not None
 
     def add_request(self, prompt_ids, max_new_tokens: int | None = None, *, sampling: SamplingParams | None = None,
                     on_output=None) -> int:
@@ -310,8 +365,14 @@ class Engine:
         s.preemptions += len(out.preempted)
         if not out:
             return False
+        chunks = self._long_chunks(out) if out.prefill_chunks else ()
+        clock = _StepClock(self.model.device) if chunks else None
         result = self.runner.run(out, self._inflight[-1].sample.tokens if self._inflight else None)
         sample = self.sampler.launch(result.logits, result.sampling)
+        step = _InFlight(sample, out.sampled)
+        if clock is not None:
+            clock.stop()
+            step.clock, step.chunks, step.decode_rows = clock, chunks, sum(n == 1 for n in out.num_rows)
         s.prefill_chunks += out.prefill_chunks
         for path, rows in result.rows.items():
             s.rows[path] += rows
@@ -319,13 +380,22 @@ class Engine:
         s.steps += 1
         s.graph_steps += result.graph
         s.tokens += out.num_tokens
-        self._inflight.append(_InFlight(sample, out.sampled))
+        self._inflight.append(step)
         return True
+
+    def _long_chunks(self, out) -> tuple:
+        """``(request id, first position, rows)`` of the step's chunks of long prompts (longer than
+        ``max_batch_tokens``: prefilled over several steps), the ones :class:`PrefillStep` records."""
+        longest = self.max_batch_tokens
+        return tuple((rid, c, n) for rid, c, n in zip(out.rids, out.computed, out.num_rows)
+                     if n > 1 and getattr(self._requests.get(rid), "prompt_len", 0) > longest)
 
     def _finish_step(self, step: "_InFlight") -> dict:
         """The host side of a launched step: stop checks, its tokens to the scheduler (in place of
         the PENDING ones), deltas to the readers."""
         tokens, logprobs = step.sample.result()
+        if step.clock is not None:
+            self._stats.prefill_steps.append(PrefillStep(step.chunks, step.decode_rows, step.clock.ms()))
         results, reasons = [], []
         for sampled in step.sampled:
             req = sampled.request

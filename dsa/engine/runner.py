@@ -26,7 +26,7 @@ from dsa.kernels.common import cdiv
 from dsa.kernels.topk import warm_topk_slots
 from dsa.model.layers import MoE
 from dsa.model.plan import BatchPlan, Bucket, HostPlan
-from dsa.model.route import BATCH_BUCKETS, context_bucket
+from dsa.model.route import BATCH_BUCKETS, context_buckets
 
 
 @dataclass
@@ -51,7 +51,8 @@ class _Graph:
 class ModelRunner:
     """Owns an engine's caches; plans each step and runs it (eagerly, or by graph replay)."""
 
-    def __init__(self, model, num_blocks: int, cuda_graphs: bool | None = None, max_num_seqs: int = 256):
+    def __init__(self, model, num_blocks: int, cuda_graphs: bool | None = None, max_num_seqs: int = 256,
+                 max_model_len: int | None = None):
         self.model = model
         self.caches = model.allocate_caches(num_blocks)
         possible = model.device.type == "cuda" and not any(isinstance(m, MoE) for m in model.modules())
@@ -63,8 +64,9 @@ class ModelRunner:
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.plan_options = model.plan_options()  # the same every step
         c = model.config
-        self.batch = InputBatch(max_num_seqs, min(c.max_position_embeddings, num_blocks * c.block_size),
-                                cdiv(c.max_position_embeddings, c.block_size), c.vocab_size)
+        longest = c.max_position_embeddings if max_model_len is None else max_model_len  # a request's tokens
+        self.batch = InputBatch(max_num_seqs, min(longest, num_blocks * c.block_size), cdiv(longest, c.block_size),
+                                c.vocab_size)
         self.staging = PinnedBuffers(model.device, torch.int32)  # each step's packed plan, on its way up
 
     def run(self, out, previous=None) -> StepResult:
@@ -124,13 +126,7 @@ class ModelRunner:
 
     def context_buckets(self, max_context: int) -> list:
         """Every decode context bucket up to ``max_context`` tokens."""
-        p, out, s = self.model.config.block_size, [], 1
-        while True:
-            b = context_bucket(s, p)
-            out.append(b)
-            if b >= max_context:
-                return out
-            s = b + 1
+        return context_buckets(max_context, self.model.config.block_size)
 
     def warmup(self, max_batch_tokens: int, max_context: int, max_decode_rows: int, progress: bool = True) -> dict:
         """Launch once every kind of step this runner can be asked for, so that no kernel compiles
@@ -190,6 +186,23 @@ class ModelRunner:
         p = self.model.config.block_size
         return HostPlan.pack([], [], np.zeros((0, ctx // p), np.int32), p, self.model.device, options=self.plan_options,
                              input_ids=np.zeros(0, np.int32), bucket=Bucket(rows, ctx))
+
+
+def decode_graph_estimate(config, max_context: int, max_decode_rows: int) -> dict:
+    """What the warm-up's decode graphs up to ``max_context`` tokens and ``max_decode_rows`` rows
+    cost, from the shapes alone (no device): one graph per (batch bucket, context bucket). Each
+    holds for good its logits ``[rows, vocab]`` fp32 (in the graph pool) and its packed plan (block
+    tables ``[rows, width / P]`` int32, outside it); while one runs it also needs the paged indexer
+    logits ``[rows, width]`` fp32 of one layer at a time, which the graphs' shared pool reuses (the
+    largest bucket's counts once)."""
+    contexts = context_buckets(max_context, config.block_size)
+    rows = [b for b in BATCH_BUCKETS if b <= max_decode_rows] or [1]
+    blocks = sum(cdiv(ctx, config.block_size) for ctx in contexts)
+    return {"context_buckets": len(contexts), "largest_context_bucket": contexts[-1],
+            "graphs": len(contexts) * len(rows),
+            "logits_bytes": len(contexts) * sum(rows) * config.vocab_size * 4,
+            "plan_bytes": sum(rows) * (blocks + len(contexts) * 8) * 4,  # tables + ~8 ints a row (lengths, ids, ...)
+            "paged_logits_bytes": rows[-1] * contexts[-1] * 4 if config.index_topk is not None else 0}
 
 
 def _read_pending(host: HostPlan, buf: torch.Tensor, previous: torch.Tensor) -> None:

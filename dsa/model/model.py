@@ -5,6 +5,8 @@ A step runs the rows of a :class:`dsa.model.plan.BatchPlan` through every layer 
 layer made, which layers that skip the indexer reuse). Caches live outside the model
 (:class:`Caches`), so several engines can share one model and ``model(input_ids)`` uses its own.
 """
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +16,7 @@ from dsa.cache import IndexerKeyCache, LatentCache
 from dsa.config import DSAConfig, latent_format
 from dsa.indexer import Selection
 from dsa.kernels import rope_at, yarn_cos_sin
-from dsa.kernels.common import cdiv
+from dsa.kernels.common import cdiv, check_int
 from dsa.model.attention import DSAAttention
 from dsa.model.dispatch import load_dispatch
 from dsa.model.layers import MLP, MoE, RMSNorm, is_moe_layer
@@ -22,6 +24,7 @@ from dsa.model.loading import match_state_dict, read_pretrained
 from dsa.model.parallel import TensorParallel, init_tensor_parallel
 from dsa.model.plan import BatchPlan, PlanOptions
 
+log = logging.getLogger("dsa.model")
 FP32_PARAMS = (".mlp.gate.", ".indexer.weights_proj.")  # the router and the indexer head weights stay fp32
 
 
@@ -83,6 +86,9 @@ class DSAModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._rope = None
+        self._retired_rope = []  # tables a longer max_model_len replaced (a captured graph may still read them)
+        self.checkpoint = None  # the folder the weights came from (None: random weights)
+        self.trained_positions = trained_positions(config)  # the RoPE's trained range
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -118,6 +124,7 @@ class DSAModel(nn.Module):
             model = cls(config, tp=tp)
         state = match_state_dict(tensors, {k: v.shape for k, v in model.state_dict().items()}, path)
         model.load_state_dict({k: t.to(param_dtype(k, dtype)) for k, t in state.items()}, strict=True, assign=True)
+        model.checkpoint = os.fspath(path)
         return model.finalize(dtype, _default_device(device))
 
     def finalize(self, dtype: torch.dtype, device) -> "DSAModel":
@@ -161,6 +168,29 @@ class DSAModel(nn.Module):
             cos, sin = yarn_cos_sin(c.max_position_embeddings, c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
             self._rope = (cos.to(self.device), sin.to(self.device))
         return self._rope
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Make room for requests of ``max_model_len`` tokens: within ``max_position_embeddings``
+        nothing changes (an engine limits itself); past it, random weights get the config's
+        ``max_position_embeddings`` raised to it (and their RoPE tables rebuilt), with one warning
+        when it is past the RoPE's trained range (:func:`trained_positions`), and a checkpoint's
+        weights refuse it: ValueError naming ``max_model_len`` and the limit."""
+        n = check_int("max_model_len", max_model_len, minimum=1)
+        c = self.config
+        if n <= c.max_position_embeddings:
+            return
+        if self.checkpoint is not None:
+            raise ValueError(f"max_model_len: {n} tokens is more than this checkpoint allows, max_position_embeddings "
+                             f"{c.max_position_embeddings} in {os.path.join(self.checkpoint, 'config.json')}; "
+                             f"give at most {c.max_position_embeddings}")
+        if n > self.trained_positions:
+            log.warning("max_model_len: %d tokens is past the RoPE's trained range of %d positions (%s): the "
+                        "positions past it are extrapolated (random weights: speed runs only)", n,
+                        self.trained_positions, _rope_range(c))
+        self.config = c.replace(max_position_embeddings=n)
+        if self._rope is not None:
+            self._retired_rope.append(self._rope)
+            self._rope = None
 
     def rope_at(self, positions: torch.Tensor) -> torch.Tensor:
         """Per-token RoPE rotations ``[T, D_R / 2]`` complex for ``positions [T]``."""
@@ -235,6 +265,23 @@ def shard_state_dict(full: dict, model: "DSAModel", tp: TensorParallel) -> dict:
         index = tp.shard(name, tuple(full[name].shape), model.config)
         out[name] = full[name] if index is None else full[name][index].contiguous()
     return out
+
+
+def trained_positions(config: DSAConfig) -> int:
+    """The positions a config's RoPE covers as trained: YaRN's ``factor`` x
+    ``original_max_position_embeddings`` (163,840 for V3.2), else ``max_position_embeddings``."""
+    rope = config.rope_scaling or {}
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        return int(rope["factor"] * rope["original_max_position_embeddings"])
+    return config.max_position_embeddings
+
+
+def _rope_range(config: DSAConfig) -> str:
+    rope = config.rope_scaling or {}
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        return (f"YaRN factor {rope['factor']:g} x original_max_position_embeddings "
+                f"{rope['original_max_position_embeddings']}")
+    return f"max_position_embeddings {config.max_position_embeddings}"
 
 
 def _default_device(device):

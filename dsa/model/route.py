@@ -31,16 +31,31 @@ from dsa.model.dispatch import Dispatch
 PATHS = ("sparse_decode", "dense_decode", "sparse_prefill", "dense_prefill_mha", "dense_prefill_absorbed")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-CONTEXT_STEP = 4096  # context buckets: powers of two up to this, then its multiples
+CONTEXT_STEP = 4096  # context buckets: powers of two up to this, then its multiples up to 128K, then
+BUCKETS_PER_OCTAVE = 16  # this many per doubling (context_bucket)
 
 
 def context_bucket(seq_len: int, block_size: int) -> int:
     """The paged-logits width a graph is captured for: a power of two (>= 256) up to 4096, then
-    multiples of 4096; always a multiple of the block size."""
+    multiples of 4096 up to 128K, then BUCKETS_PER_OCTAVE per doubling (multiples of 8K up to 256K,
+    16K up to 512K, 32K up to 1M, ...): 84 buckets up to 1M, a row padded by less than 1/16 of its
+    length past 64K; always a multiple of the block size."""
     b = 256 if seq_len <= 256 else 1 << (seq_len - 1).bit_length()
     if b > CONTEXT_STEP:
-        b = cdiv(seq_len, CONTEXT_STEP) * CONTEXT_STEP
+        step = max(CONTEXT_STEP, b // (2 * BUCKETS_PER_OCTAVE))
+        b = cdiv(seq_len, step) * step
     return cdiv(b, block_size) * block_size
+
+
+def context_buckets(max_context: int, block_size: int) -> list:
+    """Every context bucket up to the first that holds ``max_context`` tokens, in order."""
+    out, s = [], 1
+    while True:
+        b = context_bucket(s, block_size)
+        out.append(b)
+        if b >= max_context:
+            return out
+        s = b + 1
 
 
 def batch_bucket(rows: int) -> int | None:

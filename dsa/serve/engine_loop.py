@@ -65,6 +65,17 @@ class Submission:
             pass
 
 
+LONG_PREFILLS_SHOWN = 3
+
+
+def prefill_progress(engine) -> list:
+    """``Prefill: 262144/1048576 tokens (25%)`` for each running request whose prompt takes more
+    than one step (longer than ``max_batch_tokens``) and is not all computed yet, oldest first."""
+    long = [r for r in engine.running.values() if r.prefilling and r.prompt_len > engine.max_batch_tokens]
+    return [f"Prefill: {r.computed}/{len(r.tokens)} tokens ({100 * r.computed / len(r.tokens):.0f}%)"
+            for r in long[:LONG_PREFILLS_SHOWN]]
+
+
 class EngineLoop:
     """Owns the engine's thread. ``submit`` / ``abort`` from any thread; ``metrics()`` reads counters."""
 
@@ -255,7 +266,7 @@ class EngineLoop:
         hit = s.prefix.hit_tokens / s.prefix.prompt_tokens if s.prefix.prompt_tokens else 0.0
         parts += [f"Cache usage: {100 * s.blocks_in_use / e.num_blocks:.1f}%",
                   f"Prefix cache hit rate: {100 * hit:.1f}%"]
-        return ", ".join(parts)
+        return ", ".join(parts + prefill_progress(e))
 
     # ---- what /metrics reads ------------------------------------------------------------------
     def tokens_per_second(self) -> float:

@@ -29,13 +29,13 @@ class Completion:
     prompt_token_ids: list = field(default_factory=list)
 
 
-def default_cache_blocks(model) -> dict:
+def default_cache_blocks(model, max_model_len: int | None = None) -> dict:
     """The cache pool when none is given: on CUDA 80% of the memory free after loading; elsewhere
-    room for one request of ``max_position_embeddings`` tokens."""
+    room for one request of ``max_model_len`` tokens (None: ``max_position_embeddings``)."""
     c = model.config
     if model.device.type == "cuda":
         return {"memory_bytes": int(0.8 * torch.cuda.mem_get_info(model.device)[0])}
-    return {"num_blocks": cdiv(c.max_position_embeddings, c.block_size)}
+    return {"num_blocks": cdiv(max_model_len or c.max_position_embeddings, c.block_size)}
 
 
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
@@ -63,7 +63,9 @@ class LLM:
     tokenizer). ``tokenizer``: a
     folder or tokenizer object to use instead. ``dtype``/``device``: default bf16 on CUDA, fp32 on
     CPU. ``engine_options``: :class:`~dsa.engine.engine.Engine` arguments (``num_blocks`` or
-    ``memory_bytes``, ``max_batch_tokens``, ``cuda_graphs``). ``warmup``: run
+    ``memory_bytes``, ``max_batch_tokens``, ``cuda_graphs``, ``max_model_len``: the longest request,
+    prompt and output; past the config's ``max_position_embeddings`` a checkpoint refuses it with
+    a ValueError naming it, a random-weight model built elsewhere (:meth:`from_model`) takes it). ``warmup``: run
     :meth:`Engine.warmup` before returning (None: on CUDA, where Triton compiles on first use;
     skipped on CPU), its report in ``warmup_report``. Thread-safe like the engine.
 
@@ -119,7 +121,7 @@ class LLM:
     def _attach(self, model, tokenizer, engine_options: dict, warmup: bool | None) -> None:
         self.model, self.tokenizer = model, tokenizer
         if "num_blocks" not in engine_options and "memory_bytes" not in engine_options:
-            engine_options = {**engine_options, **default_cache_blocks(model)}
+            engine_options = {**engine_options, **default_cache_blocks(model, engine_options.get("max_model_len"))}
         self.engine = Engine(model, tokenizer=tokenizer, **engine_options)
         self.warmup_report = None
         if warmup or (warmup is None and model.device.type == "cuda"):

@@ -134,8 +134,8 @@ class _Server:
         self.created = int(time.time())
         self.latency = LatencyMetrics()  # TTFT, ITL, end-to-end and queue time histograms
         engine = llm.engine
-        self.limit = min(engine.config.max_position_embeddings, engine.capacity_tokens)
-        self.limit_name = ("max_position_embeddings" if self.limit == engine.config.max_position_embeddings
+        self.limit = min(engine.max_model_len, engine.capacity_tokens)
+        self.limit_name = (engine.max_model_len_name if self.limit == engine.max_model_len
                            else f"the cache pool ({engine.num_blocks} blocks of {engine.config.block_size})")
 
     def check_model(self, model: str | None) -> None:
