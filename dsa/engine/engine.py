@@ -31,7 +31,9 @@ import numpy as np
 import torch
 
 from dsa.config import bytes_per_token
+from dsa.engine import speculative
 from dsa.engine.blocks import PrefixStats
+from dsa.engine.drafter import MTPDrafter
 from dsa.engine.output import Delta, TextOutput
 from dsa.engine.runner import ModelRunner
 from dsa.engine.sampling import PendingSample, Sampler, SamplingParams
@@ -78,6 +80,7 @@ class EngineStats:
     compiles_after_warmup: int | None = None  # of them, after this engine's warm-up (None before one ran)
     blocks_in_use: int = 0  # cache blocks held by requests now
     prefix: PrefixStats = field(default_factory=PrefixStats)  # the prefix cache's counters now
+    spec: speculative.SpecStats = field(default_factory=speculative.SpecStats)  # speculative decoding's counters
 
 
 class Engine:
@@ -92,7 +95,10 @@ class Engine:
     tokens back, so the host's work hides behind the GPU's (a decode row's input token is read on
     the device from the step before; a request that stops at step N has a row in step N+1 whose
     token is dropped); False: each step finishes before the next is scheduled. Tokens are the
-    same either way.
+    same either way. ``speculative_tokens`` (N): draft N tokens per decode request and verify them in
+    one step (:mod:`dsa.engine.speculative`; greedy tokens as without it, sampled ones from the same
+    distribution), drafted by the model's MTP module or by ``drafter`` (:mod:`dsa.engine.drafter`);
+    such an engine runs without overlap and without CUDA graphs, on one device, without logprobs.
 
     Requests: :meth:`add_request` (token ids + :class:`~dsa.engine.sampling.SamplingParams`, or the
     ``max_new_tokens`` shorthand: greedy), :meth:`abort`, :meth:`step`; :meth:`stream` and
@@ -101,25 +107,29 @@ class Engine:
 
     def __init__(self, model, num_blocks: int | None = None, memory_bytes: int | None = None,
                  max_batch_tokens: int = 8192, max_num_seqs: int = 256, cuda_graphs: bool | None = None,
-                 prefix_caching: bool = True, tokenizer=None, overlap: bool = True):
+                 prefix_caching: bool = True, tokenizer=None, overlap: bool = True, speculative_tokens: int = 0,
+                 drafter=None):
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("num_blocks / memory_bytes: give exactly one of them")
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, minimum=1)
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, minimum=1)
         self.model = model
         self.config = c = model.config
+        self.speculative_tokens = n = _check_speculation(model, speculative_tokens, drafter)
+        mtp_caches = n > 0 and drafter is None  # the MTP module's layer joins the caches
         if num_blocks is None:
-            num_blocks = int(memory_bytes) // (bytes_per_token(c, model.dtype) * c.block_size)
+            num_blocks = int(memory_bytes) // (bytes_per_token(c, model.dtype, mtp=mtp_caches) * c.block_size)
         num_blocks = check_int("num_blocks", num_blocks, minimum=1)
         self.num_blocks = num_blocks
         namespace = repr((c, str(model.dtype)))  # what changes a block's content besides its tokens
         self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens, max_num_seqs=max_num_seqs,
-                                   prefix_caching=prefix_caching, namespace=namespace)
-        self.runner = ModelRunner(model, num_blocks, cuda_graphs, max_num_seqs=max_num_seqs)
+                                   prefix_caching=prefix_caching, namespace=namespace, speculative_tokens=n)
+        self.runner = ModelRunner(model, num_blocks, cuda_graphs, max_num_seqs=max_num_seqs, mtp_caches=mtp_caches)
+        self.drafter = (drafter or MTPDrafter(model, n, max_num_seqs)) if n else None
         self.sampler = Sampler(c.vocab_size, model.device)
         self.tokenizer = tokenizer
         self.lock = threading.RLock()
-        self.overlap = bool(overlap)
+        self.overlap = bool(overlap) and not n  # a verify step's rows depend on the last step's acceptance
         self._inflight = collections.deque()  # _InFlight steps launched, not finished on the host
         self._ids = itertools.count()
         self._requests: dict = {}  # rid -> Request, waiting or running
@@ -128,7 +138,7 @@ class Engine:
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
-        self._stats = EngineStats()
+        self._stats = EngineStats(spec=speculative.SpecStats(n, by_position=[0] * n, proposed_by_position=[0] * n))
         self._warm_total = None  # compiles.total() when warm-up ended
         compiles.install()
 
@@ -230,6 +240,8 @@ class Engine:
             raise ValueError("stop: stop strings need a tokenizer (Engine(..., tokenizer=...), or dsa.LLM)")
         if any(t >= vocab for t in sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if sampling.logprobs is not None and self.speculative_tokens:
+            raise ValueError("logprobs: not supported with speculative_tokens > 0")
         if sampling.logprobs is not None and sampling.logprobs > vocab:
             raise ValueError(f"logprobs: at most the vocabulary size {vocab}, got {sampling.logprobs}")
         total = len(prompt) + sampling.max_tokens
@@ -310,6 +322,12 @@ class Engine:
         s.preemptions += len(out.preempted)
         if not out:
             return False
+        if self.speculative_tokens:
+            self._inflight.append(speculative.launch(self, out))
+            s.prefill_chunks += out.prefill_chunks
+            s.steps += 1
+            s.tokens += out.num_tokens
+            return True
         result = self.runner.run(out, self._inflight[-1].sample.tokens if self._inflight else None)
         sample = self.sampler.launch(result.logits, result.sampling)
         s.prefill_chunks += out.prefill_chunks
@@ -325,6 +343,8 @@ class Engine:
     def _finish_step(self, step: "_InFlight") -> dict:
         """The host side of a launched step: stop checks, its tokens to the scheduler (in place of
         the PENDING ones), deltas to the readers."""
+        if isinstance(step, speculative.VerifiedStep):
+            return self._finish_verified(step)
         tokens, logprobs = step.sample.result()
         results, reasons = [], []
         for sampled in step.sampled:
@@ -347,6 +367,40 @@ class Engine:
             lp = logprobs[sampled.row]
             self._deliver(req, [tok], None if lp is None else [lp], reason)
         self._stats.generated_tokens += len(produced)
+        return produced
+
+    def _finish_verified(self, step: "speculative.VerifiedStep") -> dict:
+        """:meth:`_finish_step` of a speculating step: each request's accepted drafts and one more token,
+        cut after the first that stops it (EOS, a stop token or string, its length limit)."""
+        n = self.speculative_tokens
+        rows = step.packed.tolist()
+        results, reasons, kept = [], [], []
+        for sampled, row in zip(step.sampled, rows):
+            req, a = sampled.request, int(row[n + 1])
+            if self._requests.get(req.rid) is not req:
+                kept.append(0)
+                continue  # finished or aborted meanwhile
+            tokens, reason, done = [], None, sampled.index - req.prompt_len
+            for j, tok in enumerate(int(t) for t in row[:a + 1]):
+                tokens.append(tok)
+                reason = self._stop_reason(req, tok, done + j + 1 >= req.max_new_tokens)
+                if reason is not None:
+                    break
+            results.append((sampled, tokens, reason is not None))
+            reasons.append(reason)
+            kept.append(len(tokens))
+        speculative.count(self._stats.spec, step, np.asarray([int(r[n + 1]) for r in rows], np.int64), kept)
+        self.scheduler.update(results)
+        produced = {}
+        for (sampled, tokens, _), reason in zip(results, reasons):
+            req = sampled.request
+            produced[req.rid] = tokens
+            if reason is not None:
+                del self._requests[req.rid]
+                if req.text is not None:
+                    req.text.finish()
+            self._deliver(req, tokens, None, reason)
+        self._stats.generated_tokens += sum(map(len, produced.values()))
         return produced
 
     def _stop_reason(self, req: Request, tok: int, last: bool) -> str | None:
@@ -406,6 +460,19 @@ class Engine:
         for d in self.stream(prompts, max_new_tokens, sampling=sampling):
             out[d.index].extend(d.token_ids)
         return out
+
+
+def _check_speculation(model, n, drafter) -> int:
+    """``speculative_tokens`` checked against the model and the drafter (one-line ValueErrors)."""
+    n = check_int("speculative_tokens", n, minimum=0)
+    if drafter is not None and not n:
+        raise ValueError("drafter: given with speculative_tokens = 0 (give N >= 1 draft tokens)")
+    tp = getattr(model, "tp", None)
+    if n and tp is not None and tp.size > 1:
+        raise ValueError(f"speculative_tokens: not supported with tensor parallelism (tp = {tp.size})")
+    if n and drafter is None and model.mtp is None:
+        raise ValueError("speculative_tokens: the model has no MTP module (num_nextn_predict_layers = 0)")
+    return n
 
 
 _listening = []
