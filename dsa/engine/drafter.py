@@ -33,7 +33,8 @@ class MTPDrafter:
     """Drafts with ``model.mtp`` over the runner's caches (allocated with the MTP layer's) and its own
     per-row state: the first draft and the module's hidden state of each input-batch row."""
 
-    needs_hidden = True
+    needs_hidden = True  # the runner returns the verify rows' hidden states
+    uses_mtp_caches = True  # the engine allocates the MTP layer's caches
 
     def __init__(self, model, num_tokens: int, rows: int):
         if model.mtp is None:
@@ -91,10 +92,12 @@ class MTPDrafter:
 
 class ScriptedDrafter:
     """A test drafter: ``propose_fn(tokens, k) -> k`` ints (the request's tokens so far: prompt and
-    generated), each replaced by ``(t + 1) % vocab_size`` where ``wrong(step, j)`` says so (``step``:
-    the drafter's call count, ``j``: the draft's index), so tests choose every accepted length."""
+    generated), each replaced by ``(t + 1) % vocab_size`` where ``wrong(count, j)`` says so (``count``:
+    the proposals made so far, one per request and step; ``j``: the draft's index), so tests choose
+    every accepted length."""
 
     needs_hidden = False
+    uses_mtp_caches = False
 
     def __init__(self, propose_fn, num_tokens: int, vocab_size: int, wrong=lambda step, j: False):
         self.propose_fn, self.n, self.vocab_size, self.wrong = propose_fn, num_tokens, vocab_size, wrong
@@ -112,7 +115,7 @@ class ScriptedDrafter:
             proposal = list(self.propose_fn(tokens, kk))[:kk]
             for j, t in enumerate(proposal):
                 drafts[s, j] = (t + 1) % self.vocab_size if self.wrong(self.calls, j) else t
-        self.calls += 1
+            self.calls += 1
         self.proposed += int(k.sum())
         return torch.from_numpy(drafts).to(runner.model.device)
 

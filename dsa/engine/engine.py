@@ -116,7 +116,8 @@ class Engine:
         self.model = model
         self.config = c = model.config
         self.speculative_tokens = n = _check_speculation(model, speculative_tokens, drafter)
-        mtp_caches = n > 0 and drafter is None  # the MTP module's layer joins the caches
+        # the MTP module's layer joins the caches (a drafter that drafts with it says uses_mtp_caches)
+        mtp_caches = n > 0 and (drafter is None or getattr(drafter, "uses_mtp_caches", False))
         if num_blocks is None:
             num_blocks = int(memory_bytes) // (bytes_per_token(c, model.dtype, mtp=mtp_caches) * c.block_size)
         num_blocks = check_int("num_blocks", num_blocks, minimum=1)
@@ -138,7 +139,8 @@ class Engine:
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
-        self._stats = EngineStats(spec=speculative.SpecStats(n, by_position=[0] * n, proposed_by_position=[0] * n))
+        self._stats = EngineStats(spec=speculative.SpecStats(n, by_position=[0] * n, proposed_by_position=[0] * n,
+                                                                 accepted_lengths=[0] * (n + 1)))
         self._warm_total = None  # compiles.total() when warm-up ended
         compiles.install()
 

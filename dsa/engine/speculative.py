@@ -37,6 +37,7 @@ class SpecStats:
     requests: int = 0  # request-steps that carried drafts
     by_position: list = field(default_factory=list)  # [N]: drafts accepted at draft position j (0-based)
     proposed_by_position: list = field(default_factory=list)  # [N]: drafts proposed at position j
+    accepted_lengths: list = field(default_factory=list)  # [N + 1]: request-steps that accepted 0 .. N drafts
     draft_s: float = 0.0  # seconds drafting (proposals and the MTP pass after the target)
     verify_s: float = 0.0  # seconds in the target pass and the rejection sampler
 
@@ -54,6 +55,7 @@ class SpecStats:
         return {"speculative_tokens": self.speculative_tokens, "verify_steps": self.verify_steps,
                 "drafts": self.drafts, "accepted": self.accepted, "acceptance": round(self.acceptance, 4),
                 "tokens_per_step": round(self.tokens_per_step, 4), "acceptance_by_position": [round(a, 4) for a in acc],
+                "accepted_lengths": list(self.accepted_lengths),
                 "draft_ms_per_step": round(1e3 * self.draft_s / max(self.verify_steps, 1), 3),
                 "verify_ms_per_step": round(1e3 * self.verify_s / max(self.verify_steps, 1), 3)}
 
@@ -136,7 +138,6 @@ def count(stats: SpecStats, step: VerifiedStep, accepted: np.ndarray, emitted: l
     if not k.any():
         return
     stats.verify_steps += 1
-    n = stats.speculative_tokens
     for kk, a, e in zip(k.tolist(), accepted.tolist(), emitted):
         if not kk:
             continue
@@ -144,7 +145,7 @@ def count(stats: SpecStats, step: VerifiedStep, accepted: np.ndarray, emitted: l
         stats.drafts += kk
         stats.accepted += a
         stats.emitted += e
+        stats.accepted_lengths[a] += 1
         for j in range(kk):
             stats.proposed_by_position[j] += 1
             stats.by_position[j] += j < a
-    assert len(stats.by_position) == n
