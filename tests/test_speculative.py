@@ -205,3 +205,14 @@ def test_the_trained_mtp_module_drafts_what_its_reference_says():
         logits, _ = mtp_logits(m, torch.tensor([tokens]))
         want = int(logits[0, -1].argmax())
         assert drafts[0] == want, f"after {len(tokens)} tokens: drafted {drafts[0]}, the reference says {want}"
+
+
+def test_bench_rows_on_cpu(model, capsys):
+    """``dsa bench engine --speculative-tokens`` rows (the GPU command's code), small, on the CPU."""
+    from dsa.bench.speculative import rows
+    ceilings = dict(copy_tbps=1.0, bf16_tflops=1.0, fp8_tflops=1.0, bf16_tflops_p10=1.0)
+    (mtp,) = rows(model, None, "tiny", 2, None, [20], 6, ceilings)
+    (scripted,) = rows(model, None, "tiny", 2, 1.0, [20], 6, ceilings)
+    assert mtp["identical"] and scripted["identical"] and scripted["acceptance"] == 1.0
+    assert scripted["tokens_per_step"] > 2 and scripted["predicted_speedup"] > 0 and "speedup" in mtp
+    assert "tokens/s speculating" in capsys.readouterr().out

@@ -67,7 +67,7 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, cuda_graphs: bool | None = None, max_num_seqs: int = 256,
                  mtp_caches: bool = False):
         self.model = model
-        self.caches = model.allocate_caches(num_blocks, mtp=mtp_caches)
+        self.caches = model.allocate_caches(num_blocks, mtp=True) if mtp_caches else model.allocate_caches(num_blocks)
         possible = model.device.type == "cuda" and not any(isinstance(m, MoE) for m in model.modules())
         if cuda_graphs and not possible:
             raise ValueError("cuda_graphs: needs a model on a CUDA device without MoE layers (MoE dispatch reads "
