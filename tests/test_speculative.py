@@ -216,3 +216,12 @@ def test_bench_rows_on_cpu(model, capsys):
     assert mtp["identical"] and scripted["identical"] and scripted["acceptance"] == 1.0
     assert scripted["tokens_per_step"] > 2 and scripted["predicted_speedup"] > 0 and "speedup" in mtp
     assert "tokens/s speculating" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "scripted"])
+def test_chunked_prefill_steps_without_a_sampled_row(model, reference, drafter):
+    """max_batch_tokens = 7: some steps only prefill a chunk (nothing samples, nothing is verified)."""
+    d = None if drafter == "mtp" else ScriptedDrafter(oracle(_prompts(), reference), 2, V)
+    e = Engine(model, num_blocks=64, max_batch_tokens=7, speculative_tokens=2, drafter=d)
+    assert e.generate(_prompts(), NEW) == reference
+    assert e.stats.prefill_chunks > len(LENGTHS)

@@ -146,7 +146,7 @@ class ModelRunner:
         offsets = np.minimum(np.arange(n + 1)[None, :], k[sampled][:, None])  # [S, N + 1]
         logits_rows = torch.from_numpy(base[:, None] + offsets).reshape(-1).to(self.model.device)
         logits, h = self.model.step(plan, self.caches, logits_rows=logits_rows, return_hidden=True)
-        return VerifyResult(logits.view(len(sampled), n + 1, -1), h if hidden else None, plan, host.view(buf, "ids"),
+        return VerifyResult(logits.view(len(sampled), n + 1, logits.shape[-1]), h if hidden else None, plan, host.view(buf, "ids"),
                             rows, base, plan.route.rows, plan.route.workspace_bytes)
 
     def _capture(self, host: HostPlan) -> _Graph:
