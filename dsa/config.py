@@ -28,7 +28,7 @@ INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "moe_in
               "n_shared_experts": 0, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1,
               "first_k_dense_replace": 0, "moe_layer_freq": 1, "max_position_embeddings": 1, "index_n_heads": 1,
               "index_head_dim": 1, "index_topk": None, "index_topk_freq": 1, "index_skip_topk_offset": 0,
-              "block_size": 1}
+              "num_nextn_predict_layers": 0, "block_size": 1}
 
 V32_YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -77,6 +77,9 @@ class DSAConfig:
     index_skip_topk_offset: int = 2
     index_topk_pattern: str | None = None
     indexer_types: tuple | None = None
+    # Multi-token prediction (DeepSeek-V3's MTP): next-n modules after the decoder layers (the model builds
+    # the first one, layer ``num_hidden_layers`` of the checkpoint; the engine drafts with it)
+    num_nextn_predict_layers: int = 0
     # Ours
     block_size: int = 64
     kv_cache_format: str = "auto"
@@ -256,18 +259,22 @@ def latent_format(config: DSAConfig, dtype: torch.dtype = torch.bfloat16) -> str
     return "fp32" if dtype in (torch.float32, torch.float64) else "bf16"
 
 
-def bytes_per_token(config: DSAConfig, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Cache bytes per token, all layers: latent rows plus indexer keys of the layers that index.
+def bytes_per_token(config: DSAConfig, dtype: torch.dtype = torch.bfloat16, mtp: bool = False) -> int:
+    """Cache bytes per token, all layers: latent rows plus indexer keys of the layers that index;
+    with ``mtp`` (an engine that speculates) the MTP module's layer too: a latent row, and an
+    indexer key when the model has an indexer.
 
-    V3.2 with a bf16 latent cache: ``61 * 1152 + 61 * 132 = 78,324``. The row sizes come from
-    ``dsa.kernels.layouts``, which the caches allocate by.
+    V3.2 with a bf16 latent cache: ``61 * 1152 + 61 * 132 = 78,324`` (``62 * 1152 + 62 * 132 =
+    79,608`` with the MTP module). The row sizes come from ``dsa.kernels.layouts``, which the caches
+    allocate by.
     """
     latent = latent_bytes_per_token(latent_format(config, dtype))
     if config.indexer_precision == "fp8":
         key = indexer_bytes_per_token(config.index_head_dim)
     else:
         key = config.index_head_dim * torch.empty((), dtype=dtype).element_size()
-    return config.num_hidden_layers * latent + len(indexer_layers(config)) * key
+    extra = latent + (key if config.index_topk is not None else 0) if mtp else 0
+    return config.num_hidden_layers * latent + len(indexer_layers(config)) * key + extra
 
 
 def softmax_scale(config: DSAConfig) -> float:

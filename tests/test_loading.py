@@ -78,14 +78,20 @@ def test_fp8_block_checkpoint_equals_its_dequantized_twin(source, tmp_path):
     assert torch.equal(a(ids), b(ids))
 
 
-def test_round_trip_mtp_layer_skipped(source, tmp_path, caplog):
+def test_partial_mtp_layer_is_refused_by_name(source, tmp_path):
     tensors = _hf_tensors(source)
-    tensors["model.layers.4.self_attn.q_a_proj.weight"] = torch.zeros(128, 256)  # an MTP / next-n layer
+    tensors["model.layers.4.self_attn.q_a_proj.weight"] = torch.zeros(128, 256)  # an MTP layer, incomplete
     tensors["model.layers.4.eh_proj.weight"] = torch.zeros(256, 512)
     _write(tmp_path, tensors)
+    with pytest.raises(ValueError, match=r"missing tensors \['mtp\."):
+        DSAModel.from_pretrained(tmp_path, dtype=torch.float32, device="cpu", indexer_precision="exact")
+
+
+def test_config_without_mtp_tensors_loads_without_the_module(source, tmp_path, caplog):
+    _write(tmp_path, _hf_tensors(source))  # num_nextn_predict_layers = 1, no layer 4
     with caplog.at_level(logging.INFO, logger="dsa"):
         model = DSAModel.from_pretrained(tmp_path, dtype=torch.float32, device="cpu", indexer_precision="exact")
-    assert "MTP" in caplog.text
+    assert model.mtp is None and model.config.num_nextn_predict_layers == 0 and "no MTP layer" in caplog.text
     ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(1))
     assert torch.allclose(model(ids), source(ids), atol=1e-5)
 

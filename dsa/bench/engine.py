@@ -22,6 +22,8 @@ path (:mod:`dsa.model.allreduce`). With ``tp_size > 1`` each decode row also has
 sums: wrong; timing only) and replayed; ``allreduce_share`` = ``1 - replay_no_allreduce_us /
 replay_us``. Prefill rows have ``no_allreduce_us`` the same way. A TP=1 run is a separate
 single-process invocation; ``dsa bench render --tp-compare`` puts the two files side by side.
+
+``--speculative-tokens N``: speculative decoding's rows instead (:mod:`dsa.bench.speculative`).
 """
 import time
 
@@ -136,6 +138,9 @@ def prefill_row(name: str, model, ceilings, tp_extra: dict, say) -> dict:
 
 
 def run(device, timer, ceilings, args) -> list:
+    if getattr(args, "speculative_tokens", 0):
+        from .speculative import run as speculative_rows
+        return speculative_rows(device, timer, ceilings, args)
     models = demo_models(device, args.tp)
     tp = models["dsa"].tp
     say = print if tp.rank == 0 else (lambda *a, **k: None)  # noqa: E731

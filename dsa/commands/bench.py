@@ -49,6 +49,11 @@ def add_parser(sub) -> None:
                    help="mla, indexer, topk: also time tile, split, pipeline and sample variants of the kernels")
     p.add_argument("--tp", type=int, default=1, help="engine: tensor-parallel ranks, one process each: "
                    "torchrun --nproc-per-node N -m dsa bench engine --tp N (default: %(default)s)")
+    p.add_argument("--speculative-tokens", type=int, default=0, help="engine: decode with N draft tokens a step "
+                   "against plain decoding, B = 1 (--checkpoint, default the embedded model's MTP module; or "
+                   "--preset with a random one) (default: %(default)s: the plain engine rows)")
+    p.add_argument("--draft-acceptance", type=float, help="engine --speculative-tokens: draft with the test "
+                   "drafter instead, each draft right with this probability (default: the MTP module)")
     p.add_argument("--tp-compare", action="store_true",
                    help="render: print the newest TP=1 and TP=N engine results side by side")
     p.add_argument("--results", default="benchmarks/results", help="render, plot: folder of result JSON "
@@ -75,6 +80,10 @@ def check_ranks(args) -> None:
         raise SystemExit(f"{what}: --tp must be a positive number, got {args.tp}")
     if args.tp > 1 and args.op != "engine":
         raise SystemExit(f"{what}: --tp applies to `dsa bench engine` only")
+    if args.speculative_tokens < 0 or (args.speculative_tokens and (args.op != "engine" or args.tp > 1)):
+        raise SystemExit(f"{what}: --speculative-tokens: expected N >= 0, with `dsa bench engine` at --tp 1")
+    if args.draft_acceptance is not None and not (args.speculative_tokens and 0 <= args.draft_acceptance <= 1):
+        raise SystemExit(f"{what}: --draft-acceptance: expected a probability in [0, 1], with --speculative-tokens")
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.op in DISTRIBUTED and (not under_torchrun or world < 2):
@@ -196,6 +205,8 @@ def timed(args) -> int:
     if device.type == "cpu":
         env.update(cpu=platform.processor() or platform.machine(), cpus=os.cpu_count())
     op = args.op if args.tp == 1 else f"{args.op}-tp{args.tp}"
+    if args.speculative_tokens:
+        op = f"{op}-spec{args.speculative_tokens}"
     path = result_path(op, env, args.out)
     if rank0:
         refuse_to_overwrite(f"bench {args.op}", "--out", [path] + (

@@ -8,7 +8,7 @@ escaped (``\\x07``); written to a pipe or a file, the text is as generated.
 import sys
 import time
 
-from dsa.commands.options import add_model_arguments, add_preset_argument, llm_from_args
+from dsa.commands.options import add_model_arguments, add_preset_argument, add_speculative_argument, llm_from_args
 
 # C0 and C1 control characters and DEL, but newline and tab: what a terminal would act on
 CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t"}
@@ -17,6 +17,7 @@ CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="stream a completion of --prompt to stdout")
     add_model_arguments(p)
+    add_speculative_argument(p)
     add_preset_argument(p)
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")

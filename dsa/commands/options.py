@@ -46,6 +46,12 @@ def max_model_len_errors(command: str):
         raise SystemExit(f"dsa {command}: --max-model-len{str(e)[len('max_model_len'):]}") from None
 
 
+def add_speculative_argument(p) -> None:
+    p.add_argument("--speculative-tokens", type=int, default=0, help="draft N tokens a step with the model's MTP "
+                   "module and verify them in one step (greedy output unchanged; no --tp, no logprobs) "
+                   "(default: %(default)s: off)")
+
+
 def add_preset_argument(p) -> None:
     from dsa.model.preset_names import PRESET_NAMES
     p.add_argument("--preset", choices=PRESET_NAMES, help="a random-weight preset with the byte-level tokenizer "
@@ -126,6 +132,8 @@ def llm_from_args(args, command: str):
         options["num_blocks"] = args.num_blocks
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
+    if getattr(args, "speculative_tokens", 0):
+        options["speculative_tokens"] = args.speculative_tokens
     dtype = getattr(torch, args.dtype) if args.dtype else None
     tp_size = getattr(args, "tp", 1)
     if getattr(args, "preset", None) is not None:
@@ -133,11 +141,22 @@ def llm_from_args(args, command: str):
         from dsa.serve.tokenizer import ByteTokenizer
         if args.checkpoint is not None:
             raise SystemExit("--preset: give --checkpoint or --preset, not both")
-        model = preset_model(args.preset, args.device, dtype, tp_size=tp_size)
-        with max_model_len_errors(command):
+        model = preset_model(args.preset, args.device, dtype, tp_size=tp_size, mtp="speculative_tokens" in options)
+        with max_model_len_errors(command), speculative_errors(command):
             return LLM.from_model(model, ByteTokenizer(), **options)
-    with checkpoint_errors(command, args.checkpoint), max_model_len_errors(command):
+    with checkpoint_errors(command, args.checkpoint), max_model_len_errors(command), speculative_errors(command):
         return LLM(args.checkpoint, device=args.device, dtype=dtype, tp_size=tp_size, **options)
+
+
+@contextlib.contextmanager
+def speculative_errors(command: str):
+    """``--speculative-tokens`` that the model or the options cannot take: one line."""
+    try:
+        yield
+    except ValueError as e:
+        if not str(e).startswith("speculative_tokens"):
+            raise
+        raise SystemExit(f"dsa {command}: --{e}".replace("--speculative_tokens", "--speculative-tokens")) from None
 
 
 @contextlib.contextmanager

@@ -23,12 +23,19 @@ import os
 import signal
 import sys
 
-from dsa.commands.options import add_model_arguments, add_preset_argument, device_from_args, llm_from_args
+from dsa.commands.options import (
+    add_model_arguments,
+    add_preset_argument,
+    add_speculative_argument,
+    device_from_args,
+    llm_from_args,
+)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install -e '.[serve]')")
     add_model_arguments(p)
+    add_speculative_argument(p)
     add_preset_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="default: %(default)s")

@@ -32,7 +32,9 @@ import numpy as np
 import torch
 
 from dsa.config import bytes_per_token
+from dsa.engine import speculative
 from dsa.engine.blocks import PrefixStats
+from dsa.engine.drafter import MTPDrafter
 from dsa.engine.output import Delta, TextOutput
 from dsa.engine.runner import ModelRunner
 from dsa.engine.sampling import PendingSample, Sampler, SamplingParams
@@ -123,6 +125,7 @@ class EngineStats:
     prefix: PrefixStats = field(default_factory=PrefixStats)  # the prefix cache's counters now
     # the last PREFILL_STEPS steps with chunks of long prompts (PrefillStep): a long prompt's cost by position
     prefill_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=PREFILL_STEPS))
+    spec: speculative.SpecStats = field(default_factory=speculative.SpecStats)  # speculative decoding's counters
 
 
 class Engine:
@@ -141,6 +144,10 @@ class Engine:
     (None: the config's ``max_position_embeddings``); past the config's limit, a model of random
     weights has it raised (one warning past the RoPE's trained range) and a checkpoint refuses it
     (:meth:`~dsa.model.DSAModel.set_max_model_len`). The decode graphs' context buckets reach it.
+    ``speculative_tokens`` (N): draft N tokens per decode request and verify them in
+    one step (:mod:`dsa.engine.speculative`; greedy tokens as without it, sampled ones from the same
+    distribution), drafted by the model's MTP module or by ``drafter`` (:mod:`dsa.engine.drafter`);
+    such an engine runs without overlap and without CUDA graphs, on one device, without logprobs.
 
     Requests: :meth:`add_request` (token ids + :class:`~dsa.engine.sampling.SamplingParams`, or the
     ``max_new_tokens`` shorthand: greedy), :meth:`abort`, :meth:`step`; :meth:`stream` and
@@ -149,7 +156,8 @@ class Engine:
 
     def __init__(self, model, num_blocks: int | None = None, memory_bytes: int | None = None,
                  max_batch_tokens: int = 8192, max_num_seqs: int = 256, cuda_graphs: bool | None = None,
-                 prefix_caching: bool = True, tokenizer=None, overlap: bool = True, max_model_len: int | None = None):
+                 prefix_caching: bool = True, tokenizer=None, overlap: bool = True, max_model_len: int | None = None,
+                 speculative_tokens: int = 0, drafter=None):
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("num_blocks / memory_bytes: give exactly one of them")
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, minimum=1)
@@ -161,19 +169,23 @@ class Engine:
         self.max_model_len = c.max_position_embeddings if max_model_len is None else max_model_len
         # the limit as errors name it
         self.max_model_len_name = "max_position_embeddings" if max_model_len is None else "max_model_len"
+        self.speculative_tokens = n = _check_speculation(model, speculative_tokens, drafter)
+        # the MTP module's layer joins the caches (a drafter that drafts with it says uses_mtp_caches)
+        mtp_caches = n > 0 and (drafter is None or getattr(drafter, "uses_mtp_caches", False))
         if num_blocks is None:
-            num_blocks = int(memory_bytes) // (bytes_per_token(c, model.dtype) * c.block_size)
+            num_blocks = int(memory_bytes) // (bytes_per_token(c, model.dtype, mtp=mtp_caches) * c.block_size)
         num_blocks = check_int("num_blocks", num_blocks, minimum=1)
         self.num_blocks = num_blocks
         namespace = repr((c, str(model.dtype)))  # what changes a block's content besides its tokens
         self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens, max_num_seqs=max_num_seqs,
-                                   prefix_caching=prefix_caching, namespace=namespace)
+                                   prefix_caching=prefix_caching, namespace=namespace, speculative_tokens=n)
         self.runner = ModelRunner(model, num_blocks, cuda_graphs, max_num_seqs=max_num_seqs,
-                                  max_model_len=self.max_model_len)
+                                  max_model_len=self.max_model_len, mtp_caches=mtp_caches)
+        self.drafter = (drafter or MTPDrafter(model, n, max_num_seqs)) if n else None
         self.sampler = Sampler(c.vocab_size, model.device)
         self.tokenizer = tokenizer
         self.lock = threading.RLock()
-        self.overlap = bool(overlap)
+        self.overlap = bool(overlap) and not n  # a verify step's rows depend on the last step's acceptance
         self._inflight = collections.deque()  # _InFlight steps launched, not finished on the host
         self._ids = itertools.count()
         self._requests: dict = {}  # rid -> Request, waiting or running
@@ -182,7 +194,8 @@ class Engine:
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
-        self._stats = EngineStats()
+        self._stats = EngineStats(spec=speculative.SpecStats(n, by_position=[0] * n, proposed_by_position=[0] * n,
+                                                                 accepted_lengths=[0] * (n + 1)))
         self._warm_total = None  # compiles.total() when warm-up ended
         compiles.install()
 
@@ -285,6 +298,8 @@ class Engine:
             raise ValueError("stop: stop strings need a tokenizer (Engine(..., tokenizer=...), or dsa.LLM)")
         if any(t >= vocab for t in sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if sampling.logprobs is not None and self.speculative_tokens:
+            raise ValueError("logprobs: not supported with speculative_tokens > 0")
         if sampling.logprobs is not None and sampling.logprobs > vocab:
             raise ValueError(f"logprobs: at most the vocabulary size {vocab}, got {sampling.logprobs}")
         total = len(prompt) + sampling.max_tokens
@@ -365,6 +380,12 @@ class Engine:
         s.preemptions += len(out.preempted)
         if not out:
             return False
+        if self.speculative_tokens:
+            self._inflight.append(speculative.launch(self, out))
+            s.prefill_chunks += out.prefill_chunks
+            s.steps += 1
+            s.tokens += out.num_tokens
+            return True
         chunks = self._long_chunks(out) if out.prefill_chunks else ()
         clock = _StepClock(self.model.device) if chunks else None
         result = self.runner.run(out, self._inflight[-1].sample.tokens if self._inflight else None)
@@ -393,6 +414,8 @@ class Engine:
     def _finish_step(self, step: "_InFlight") -> dict:
         """The host side of a launched step: stop checks, its tokens to the scheduler (in place of
         the PENDING ones), deltas to the readers."""
+        if isinstance(step, speculative.VerifiedStep):
+            return self._finish_verified(step)
         tokens, logprobs = step.sample.result()
         if step.clock is not None:
             self._stats.prefill_steps.append(PrefillStep(step.chunks, step.decode_rows, step.clock.ms()))
@@ -417,6 +440,40 @@ class Engine:
             lp = logprobs[sampled.row]
             self._deliver(req, [tok], None if lp is None else [lp], reason)
         self._stats.generated_tokens += len(produced)
+        return produced
+
+    def _finish_verified(self, step: "speculative.VerifiedStep") -> dict:
+        """:meth:`_finish_step` of a speculating step: each request's accepted drafts and one more token,
+        cut after the first that stops it (EOS, a stop token or string, its length limit)."""
+        n = self.speculative_tokens
+        rows = step.packed.tolist()
+        results, reasons, kept = [], [], []
+        for sampled, row in zip(step.sampled, rows):
+            req, a = sampled.request, int(row[n + 1])
+            if self._requests.get(req.rid) is not req:
+                kept.append(0)
+                continue  # finished or aborted meanwhile
+            tokens, reason, done = [], None, sampled.index - req.prompt_len
+            for j, tok in enumerate(int(t) for t in row[:a + 1]):
+                tokens.append(tok)
+                reason = self._stop_reason(req, tok, done + j + 1 >= req.max_new_tokens)
+                if reason is not None:
+                    break
+            results.append((sampled, tokens, reason is not None))
+            reasons.append(reason)
+            kept.append(len(tokens))
+        speculative.count(self._stats.spec, step, np.asarray([int(r[n + 1]) for r in rows], np.int64), kept)
+        self.scheduler.update(results)
+        produced = {}
+        for (sampled, tokens, _), reason in zip(results, reasons):
+            req = sampled.request
+            produced[req.rid] = tokens
+            if reason is not None:
+                del self._requests[req.rid]
+                if req.text is not None:
+                    req.text.finish()
+            self._deliver(req, tokens, None, reason)
+        self._stats.generated_tokens += sum(map(len, produced.values()))
         return produced
 
     def _stop_reason(self, req: Request, tok: int, last: bool) -> str | None:
@@ -476,6 +533,19 @@ class Engine:
         for d in self.stream(prompts, max_new_tokens, sampling=sampling):
             out[d.index].extend(d.token_ids)
         return out
+
+
+def _check_speculation(model, n, drafter) -> int:
+    """``speculative_tokens`` checked against the model and the drafter (one-line ValueErrors)."""
+    n = check_int("speculative_tokens", n, minimum=0)
+    if drafter is not None and not n:
+        raise ValueError("drafter: given with speculative_tokens = 0 (give N >= 1 draft tokens)")
+    tp = getattr(model, "tp", None)
+    if n and tp is not None and tp.size > 1:
+        raise ValueError(f"speculative_tokens: not supported with tensor parallelism (tp = {tp.size})")
+    if n and drafter is None and model.mtp is None:
+        raise ValueError("speculative_tokens: the model has no MTP module (num_nextn_predict_layers = 0)")
+    return n
 
 
 _listening = []

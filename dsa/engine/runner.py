@@ -41,6 +41,19 @@ class StepResult:
 
 
 @dataclass
+class VerifyResult:
+    """A speculating step's target side (:meth:`ModelRunner.run_verify`)."""
+    logits: torch.Tensor  # [S, N + 1, vocab] fp32: each sampled request's rows, its last token's first
+    hidden: torch.Tensor | None  # [T, hidden] every row's hidden state after the final norm (a drafter reads it)
+    plan: BatchPlan  # the step's plan (the MTP module's first pass runs on the same rows)
+    ids: torch.Tensor  # [T] int32 the rows' input ids on the device (drafts read in)
+    rows: np.ndarray  # [B] the requests' rows of the input batch
+    base: np.ndarray  # [S] the step row of each sampled request's last token (its drafts follow it)
+    paths: dict  # rows served per path
+    workspace_bytes: int
+
+
+@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     buf: torch.Tensor  # the int32 plan buffer the graph reads
@@ -52,9 +65,9 @@ class ModelRunner:
     """Owns an engine's caches; plans each step and runs it (eagerly, or by graph replay)."""
 
     def __init__(self, model, num_blocks: int, cuda_graphs: bool | None = None, max_num_seqs: int = 256,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, mtp_caches: bool = False):
         self.model = model
-        self.caches = model.allocate_caches(num_blocks)
+        self.caches = model.allocate_caches(num_blocks, mtp=True) if mtp_caches else model.allocate_caches(num_blocks)
         possible = model.device.type == "cuda" and not any(isinstance(m, MoE) for m in model.modules())
         if cuda_graphs and not possible:
             raise ValueError("cuda_graphs: needs a model on a CUDA device without MoE layers (MoE dispatch reads "
@@ -104,6 +117,38 @@ class ModelRunner:
         plan = host.derive(buf)
         logits = self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
         return StepResult(logits, sampling, plan.route.rows, plan.route.workspace_bytes, False)
+
+    def run_verify(self, out, drafts: torch.Tensor | None, hidden: bool = False) -> "VerifyResult":
+        """Run a step of a speculating engine (its deltas already applied: :meth:`InputBatch.apply`):
+        request ``i`` computes its rows as in :meth:`run`, its last token and then ``out.num_drafts[i]``
+        draft rows, whose ids are ``drafts [S, N]`` (row ``s`` for the ``s``-th sampled request; -1 past
+        its drafts; read on the device). Eager (no CUDA graph); no host sync. The logits come back for
+        every sampled request's ``N + 1`` rows (rows past its drafts repeat its last one)."""
+        batch, p = self.batch, self.model.config.block_size
+        rows = batch.rows(out.rids)
+        q, c, k = np.asarray(out.num_rows), np.asarray(out.computed), np.asarray(out.num_drafts, np.int64)
+        ids, src = batch.input_ids(rows, q, c, False)
+        first = np.cumsum(q) - q
+        sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
+        n = 0 if drafts is None else drafts.shape[1]
+        base = first[sampled] + q[sampled] - 1 - k[sampled]  # the row of each sampled request's last token
+        if k.any():
+            src = np.full(len(ids), -1) if src is None else src
+            for s_i, req in enumerate(sampled.tolist()):
+                src[base[s_i] + 1:base[s_i] + 1 + k[req]] = s_i * n + np.arange(k[req])
+        batch.expect(rows[sampled], (c + q - k)[sampled], sampled)  # each one's sampled place
+        width = max(batch.num_blocks[rows].max(initial=1), 1)
+        host = HostPlan.pack(q, c, batch.block_table[rows, :width], p, self.model.device, options=self.plan_options,
+                             input_ids=ids, input_src=src)
+        buf = host.upload(staging=self.staging)
+        if src is not None:
+            _read_pending(host, buf, drafts.reshape(-1).clamp_min(0))  # (-1: no draft; its row is never accepted)
+        plan = host.derive(buf)
+        offsets = np.minimum(np.arange(n + 1)[None, :], k[sampled][:, None])  # [S, N + 1]
+        logits_rows = torch.from_numpy(base[:, None] + offsets).reshape(-1).to(self.model.device)
+        logits, h = self.model.step(plan, self.caches, logits_rows=logits_rows, return_hidden=True)
+        return VerifyResult(logits.view(len(sampled), n + 1, logits.shape[-1]), h if hidden else None, plan, host.view(buf, "ids"),
+                            rows, base, plan.route.rows, plan.route.workspace_bytes)
 
     def _capture(self, host: HostPlan) -> _Graph:
         """Capture the model step for one bucket. The warm-up and the capture run this step's own

@@ -81,6 +81,7 @@ class SampledRow:
     request: Request
     index: int
     last: bool
+    drafts: int = 0  # draft tokens verified after it (speculative decoding): it may bring up to drafts + 1 tokens
 
 
 @dataclass
@@ -98,6 +99,8 @@ class SchedulerOutput:
     tokens: dict = field(default_factory=dict)  # rid -> [(index, token)]: tokens sampled before, not computed yet
     preempted: list = field(default_factory=list)  # rids preempted by this step (also in finished)
     prefill_chunks: int = 0  # requests computing more than their last token
+    num_drafts: list = field(default_factory=list)  # per request, the draft rows after its last token (the
+    # scheduler-visible spec tokens of a verify step: num_rows = 1 + num_drafts; 0 without speculation)
 
     def __len__(self) -> int:
         return len(self.rids)
@@ -112,6 +115,7 @@ class _Picks:
     """A step while it is being scheduled."""
     requests: list = field(default_factory=list)
     num_rows: list = field(default_factory=list)
+    drafts: dict = field(default_factory=dict)  # rid -> draft rows of a decode request
     new: list = field(default_factory=list)  # Request
     grants: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
@@ -132,7 +136,8 @@ class _Picks:
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_batch_tokens: int, *, max_num_seqs: int = 256,
-                 prefix_caching: bool = True, namespace: str = ""):
+                 prefix_caching: bool = True, namespace: str = "", speculative_tokens: int = 0):
+        self.speculative_tokens = speculative_tokens  # draft rows per decode request (fewer near its length limit)
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
@@ -163,10 +168,13 @@ class Scheduler:
         for req in list(self.running.values()):  # decode rows, oldest first
             if req.rid not in self.running or req.prefilling or req.done or budget == 0:
                 continue
-            if not self._grow(req, req.computed + 1, picks):
+            k = self._drafts(req, budget)
+            if not self._grow(req, req.computed + 1 + k, picks):
                 continue  # it preempted itself
-            picks.add(req, 1)
-            budget -= 1
+            picks.add(req, 1 + k)
+            if k:
+                picks.drafts[req.rid] = k
+            budget -= 1 + k
         for req in list(self.running.values()):  # prefill chunks of running requests
             if budget == 0:
                 break
@@ -179,6 +187,12 @@ class Scheduler:
             self._admit(picks, budget)
         return self._output(picks)
 
+    def _drafts(self, req: Request, budget: int) -> int:
+        """Draft rows for a decode request: ``speculative_tokens``, fewer when its length limit or the
+        step's row budget leaves less room (a verify step brings at most drafts + 1 tokens)."""
+        left = req.max_new_tokens - (len(req.tokens) - req.prompt_len)  # >= 1: it is not done
+        return max(0, min(self.speculative_tokens, left - 1, budget - 1))
+
     def _output(self, picks: _Picks) -> SchedulerOutput:
         out = SchedulerOutput(preempted=picks.preempted)
         if not picks.requests:  # nothing runs: what the runner must hear waits for a step that does
@@ -189,13 +203,15 @@ class Scheduler:
         out.finished, self._left = self._left, []
         out.tokens, self._tokens = self._tokens, {}
         for i, (req, n) in enumerate(zip(picks.requests, picks.num_rows)):
+            k = picks.drafts.get(req.rid, 0)
             out.rids.append(req.rid)
             out.computed.append(req.computed)
+            out.num_drafts.append(k)
             out.prefill_chunks += req.prefilling
-            req.computed += n
+            req.computed += n - k  # draft rows count once accepted (update)
             if req.computed == len(req.tokens):  # the row of its last token: the next one is sampled
                 req.tokens.append(PENDING)
-                out.sampled.append(SampledRow(i, req, req.computed, req.done))
+                out.sampled.append(SampledRow(i, req, req.computed, req.done, k))
         return out
 
     def _fit(self, req: Request, rows: int) -> int:
@@ -293,20 +309,25 @@ class Scheduler:
     def update(self, results: list) -> None:
         """A finished step's tokens reach the requests: ``results`` is ``(SampledRow, token, stop)``
         for each sampled row of a request still live (running, or waiting after a preemption), in
-        row order. Each token takes its PENDING place and names the blocks it completes; a
+        row order; ``token`` is a list after a verify step (its accepted drafts, then one more), whose
+        accepted rows become computed (the rejected rows' cache entries are past ``computed``: never
+        read, overwritten by the next step, never named). Each token takes its PENDING place and names the blocks it completes; a
         request whose ``stop`` is true ends with it and leaves (a later row's token, if one is in
         flight, is dropped)."""
         for s, token, stop in results:
             req = s.request
-            req.tokens[s.index] = token
+            tokens = token if isinstance(token, list) else [token]  # a verify step's accepted drafts + one
+            req.tokens[s.index:s.index + 1] = tokens
             running = req.rid in self.running
+            needed = s.index >= req.computed  # no launched row has read it: the runner needs it
             if running:
+                req.computed += len(tokens) - 1  # the accepted drafts' rows; the rejected ones are forgotten
                 req.block_names += self.blocks.name_full_blocks(req)
             if stop:
                 self.remove(req)
-                del req.tokens[s.index + 1:]
-            elif running and s.index >= req.computed:  # no launched row has read it: the runner needs it
-                self._tokens.setdefault(req.rid, []).append((s.index, token))
+                del req.tokens[s.index + len(tokens):]
+            elif running and needed:
+                self._tokens.setdefault(req.rid, []).extend((s.index + j, t) for j, t in enumerate(tokens))
 
     def remove(self, req: Request) -> bool:
         """Take a request out wherever it is (running: its blocks are released); False if it is in neither."""

@@ -33,7 +33,8 @@ class DSAAttention(nn.Module):
     """MLA with DSA: projections, RoPE, the latent-cache write, the layer's indexer (or the reused
     selection), and attention per row path; weights absorbed once by :meth:`absorb`."""
 
-    def __init__(self, config: DSAConfig, layer_id: int, tp: TensorParallel = TensorParallel()):
+    def __init__(self, config: DSAConfig, layer_id: int, tp: TensorParallel = TensorParallel(),
+                 runs_indexer: bool | None = None):
         super().__init__()
         c = self.config = config
         self.layer_id, self.tp = layer_id, tp
@@ -49,7 +50,8 @@ class DSAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
-        self.runs_indexer = layer_runs_indexer(c, layer_id)
+        # the MTP module's layer (past num_hidden_layers) says for itself whether it has an indexer
+        self.runs_indexer = layer_runs_indexer(c, layer_id) if runs_indexer is None else runs_indexer
         self.indexer = LightningIndexer(c) if self.runs_indexer else None
         self.softmax_scale = softmax_scale(c)
         self.w_uk_t = self.w_uv = None  # built once by absorb()

@@ -3,7 +3,9 @@
 Tensor names are HF's with the ``model.`` prefix dropped. FP8 weights with ``weight_scale_inv``
 (one fp32 scale per 128x128 block) are dequantized: ``W = W8 * scale_inv[i // 128, j // 128]``.
 MTP / next-n layers (``num_hidden_layers <= layer < num_hidden_layers + num_nextn_predict_layers``,
-recognized by their ``eh_proj``) are skipped with a log line. Building the model is :meth:`dsa.DSAModel.from_pretrained`'s job; this
+recognized by their ``eh_proj``): the first one is read as ``mtp.*`` (:mod:`dsa.model.mtp`; its copies
+of the embedding and head, ``embed_tokens`` and ``shared_head.head``, are the main model's and are
+skipped), any later one is skipped with a log line. Building the model is :meth:`dsa.DSAModel.from_pretrained`'s job; this
 module imports nothing of the model.
 
 Whatever cannot be loaded faithfully is refused with an error naming the file and the tensor or
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
 from dsa.config import DSAConfig, read_json_object
-from dsa.kernels.common import cdiv, check_int
+from dsa.kernels.common import cdiv
 
 log = logging.getLogger("dsa")
 
@@ -31,7 +33,7 @@ SHAPE_FIELDS = frozenset({
     "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "index_n_heads",
     "index_head_dim", "index_topk_freq", "index_skip_topk_offset", "index_topk_pattern", "indexer_types",
-    "tie_word_embeddings", "attention_bias"})
+    "tie_word_embeddings", "attention_bias", "num_nextn_predict_layers"})
 FP8_BLOCK = 128
 LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 SCALE_SUFFIX = "_scale_inv"
@@ -83,10 +85,19 @@ def _nonfinite(t: torch.Tensor) -> bool:
     return t.is_floating_point() and not bool(torch.isfinite(t).all())
 
 
+MTP_SHARED = ("embed_tokens.", "shared_head.head.")  # the MTP layer's copies of the main model's tensors
+
+
+def _mtp_name(key: str, num_layers: int) -> str | None:
+    """``mtp.*`` for a tensor of the first MTP layer that the model reads, else None."""
+    rest = LAYER_RE.sub("", key, count=1)
+    return None if rest.startswith(MTP_SHARED) else "mtp." + rest
+
+
 def _read_files(path: str, num_layers: int, num_nextn: int, select=None) -> tuple[dict, dict, dict]:
-    """``(tensors by HF name minus ``model.``, file of each, slices read)``, MTP layers dropped, everything
-    else refused unless readable and finite. ``select(name, full_shape)``: None to skip the tensor,
-    else the index of the part to read (``()``: all of it)."""
+    """``(tensors by HF name minus ``model.``, file of each, slices read)``, the first MTP layer as
+    ``mtp.*``, the later ones dropped, everything else refused unless readable and finite.
+    ``select(name, full_shape)``: None to skip the tensor, else the index of the part to read (``()``: all of it)."""
     raw, where, skipped, parts = {}, {}, {}, {}  # skipped: layer -> (a file, has eh_proj)
     for file in _shards(path):
         try:
@@ -101,8 +112,11 @@ def _read_files(path: str, num_layers: int, num_nextn: int, select=None) -> tupl
                                 "would load a truncated model)")
                         layer = int(m.group(1))
                         skipped[layer] = (file, skipped.get(layer, (file, False))[1] or ".eh_proj." in key)
-                        continue
-                    name = key.removeprefix("model.")
+                        name = _mtp_name(key, num_layers) if layer == num_layers else None
+                        if name is None:
+                            continue
+                    else:
+                        name = key.removeprefix("model.")
                     if name in raw:
                         raise ValueError(f"{file}: {key} is also in {where[name]}")
                     shape = tuple(f.get_slice(key).get_shape())
@@ -121,8 +135,9 @@ def _read_files(path: str, num_layers: int, num_nextn: int, select=None) -> tupl
             raise ValueError(f"{file}: layers.{layer}: a decoder layer past num_hidden_layers = {num_layers} of "
                              "config.json without the eh_proj of an MTP layer (a config that drops layers would "
                              "load a truncated model)")
-    if skipped:
-        log.info("skipping MTP / next-n layers %s (num_hidden_layers = %d)", sorted(skipped), num_layers)
+    if len(skipped) > 1:
+        log.info("skipping MTP / next-n layers %s (num_hidden_layers = %d; the model builds the first)",
+                 sorted(skipped)[1:], num_layers)
     for name, t in raw.items():
         if _nonfinite(t):
             raise ValueError(f"{where[name]}: {name}: holds NaN or inf")
@@ -170,12 +185,8 @@ def read_pretrained(path, overrides: dict | None = None, tp=None) -> tuple[DSACo
         raise ValueError(f"overrides: {bad or ['index_topk=None']} would change the checkpoint's weights; "
                          "only fields that keep weight shapes can be overridden")
     config_file = os.path.join(path, "config.json")
-    hf = read_json_object(config_file, "a model config")
     config = DSAConfig.from_hf_config(config_file, **overrides)
-    try:
-        num_nextn = check_int("num_nextn_predict_layers", hf.get("num_nextn_predict_layers", 0), minimum=0)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{config_file}: {e}") from None
+    num_nextn = config.num_nextn_predict_layers
     select = None
     if tp is not None and tp.size > 1:
         def select(name, shape):  # block scales are read whole: a slice of their weight picks its blocks
@@ -189,6 +200,10 @@ def read_pretrained(path, overrides: dict | None = None, tp=None) -> tuple[DSACo
             raise ValueError(f"{where[indexer[0]]}: {indexer[0]} (and {len(indexer) - 1} more indexer tensors): "
                              f"model_type {config.model_type!r} of {config_file} has no indexer, so they would be "
                              "dropped; use the checkpoint's own model_type")
+    if num_nextn and not any(k.startswith("mtp.") for k in raw):
+        log.info("%s: num_nextn_predict_layers = %d but no MTP layer tensors: loading without the MTP module",
+                 config_file, num_nextn)
+        config = config.replace(num_nextn_predict_layers=0)
     tensors = _dequantize(raw, where, parts)
     if config.tie_word_embeddings and "lm_head.weight" not in tensors and "embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]

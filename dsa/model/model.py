@@ -17,10 +17,11 @@ from dsa.config import DSAConfig, latent_format
 from dsa.indexer import Selection
 from dsa.kernels import rope_at, yarn_cos_sin
 from dsa.kernels.common import cdiv, check_int
-from dsa.model.attention import DSAAttention
+from dsa.model.decoder import DecoderLayer
 from dsa.model.dispatch import load_dispatch
-from dsa.model.layers import MLP, MoE, RMSNorm, is_moe_layer
+from dsa.model.layers import RMSNorm
 from dsa.model.loading import match_state_dict, read_pretrained
+from dsa.model.mtp import MTPLayer, mtp_layer_shape
 from dsa.model.parallel import TensorParallel, init_tensor_parallel
 from dsa.model.plan import BatchPlan, PlanOptions
 
@@ -55,20 +56,6 @@ class StepContext:
     selection: Selection | None = None
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: DSAConfig, layer_id: int, tp: TensorParallel = TensorParallel()):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DSAAttention(config, layer_id, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = (MoE(config, tp) if is_moe_layer(config, layer_id)
-                    else MLP(config.hidden_size, config.intermediate_size, tp))
-
-    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class DSAModel(nn.Module):
     """A DeepSeek-V3.2 / GLM-MoE-DSA / DeepSeek-V3 causal LM over paged caches.
 
@@ -76,7 +63,8 @@ class DSAModel(nn.Module):
     temporary caches; the :class:`dsa.Engine` drives :meth:`step` over persistent ones.
     """
 
-    def __init__(self, config: DSAConfig, mha_workspace_bytes: int = 256 << 20, tp: TensorParallel = TensorParallel()):
+    def __init__(self, config: DSAConfig, mha_workspace_bytes: int = 256 << 20, tp: TensorParallel = TensorParallel(),
+                 mtp_shape: tuple | None = None):
         super().__init__()
         self.config = config
         self.tp = tp
@@ -85,6 +73,9 @@ class DSAModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # the MTP module (dsa.model.mtp), registered last so that the main model's random weights do not
+        # depend on it; mtp_shape: (runs_indexer, moe) as the checkpoint has it (None: the config's)
+        self.mtp = MTPLayer(config, tp, *(mtp_shape or (None, None))) if config.num_nextn_predict_layers else None
         self._rope = None
         self._retired_rope = []  # tables a longer max_model_len replaced (a captured graph may still read them)
         self.checkpoint = None  # the folder the weights came from (None: random weights)
@@ -120,8 +111,9 @@ class DSAModel(nn.Module):
         ``tp_size > 1`` (one process per rank, see :mod:`dsa.model.parallel`) each rank reads only its shard."""
         tp = init_tensor_parallel(tp_size, check_selection=tp_check)
         config, tensors = read_pretrained(path, overrides, tp)
+        shape = mtp_layer_shape(config, tensors) if config.num_nextn_predict_layers else None
         with torch.device("meta"):
-            model = cls(config, tp=tp)
+            model = cls(config, tp=tp, mtp_shape=shape)
         state = match_state_dict(tensors, {k: v.shape for k, v in model.state_dict().items()}, path)
         model.load_state_dict({k: t.to(param_dtype(k, dtype)) for k, t in state.items()}, strict=True, assign=True)
         model.checkpoint = os.fspath(path)
@@ -131,7 +123,7 @@ class DSAModel(nn.Module):
         """Cast, move, absorb ``kv_b_proj``, pick the dispatch thresholds; call once after loading."""
         for name, p in self.named_parameters():
             p.data = p.data.to(device=device, dtype=param_dtype(name, dtype))
-        for layer in self.layers:
+        for layer in self.all_layers():
             layer.self_attn.absorb()
         self.eval().requires_grad_(False)
         self.dispatch = load_dispatch(self.config, torch.device(device), self.mha_workspace_bytes)
@@ -149,10 +141,17 @@ class DSAModel(nn.Module):
     def latent_format(self) -> str:
         return latent_format(self.config, self.dtype)
 
-    def allocate_caches(self, num_blocks: int) -> Caches:
-        """Per layer a ``LatentCache`` and (layers that index) an ``IndexerKeyCache`` of ``num_blocks``."""
+    def all_layers(self) -> list:
+        """The decoder layers, then the MTP module's (when the model has one)."""
+        return list(self.layers) + ([self.mtp] if self.mtp is not None else [])
+
+    def allocate_caches(self, num_blocks: int, mtp: bool = False) -> Caches:
+        """Per layer a ``LatentCache`` and (layers that index) an ``IndexerKeyCache`` of ``num_blocks``;
+        with ``mtp`` the MTP module's layer too (entry ``num_hidden_layers``: an engine that speculates)."""
+        if mtp and self.mtp is None:
+            raise ValueError("mtp: the model has no MTP module (num_nextn_predict_layers = 0)")
         c, latent, index = self.config, [], []
-        for layer in self.layers:
+        for layer in self.all_layers() if mtp else self.layers:
             latent.append(LatentCache(num_blocks, c.block_size, format=self.latent_format(), device=self.device))
             exact = c.indexer_precision == "exact"
             index.append(IndexerKeyCache(num_blocks, c.block_size, precision=c.indexer_precision,
@@ -210,24 +209,48 @@ class DSAModel(nn.Module):
     # ---- running -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, plan: BatchPlan, caches: Caches, input_ids: torch.Tensor | None = None,
-             logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+             logits_rows: torch.Tensor | None = None, return_hidden: bool = False):
         """Run the plan's rows through every layer, writing the caches; no host sync.
 
         Args:
             plan: the step; caches: the engine's (or temporary) caches.
             input_ids: ``[T]`` token ids (default: ``plan.input_ids``).
             logits_rows: rows whose logits to return (default: every row).
+            return_hidden: also return every row's hidden state after the final norm (the MTP
+                module's input).
 
         Returns:
-            ``[R, vocab]`` fp32 logits.
+            ``[R, vocab]`` fp32 logits; with ``return_hidden``, ``(logits, hidden [T, hidden])``.
         """
         step = StepContext(plan, caches, self.rope_at(plan.positions))
         x = self.embed_tokens(plan.input_ids if input_ids is None else input_ids.to(self.device))
         for layer in self.layers:
             x = layer(x, step)
-        if logits_rows is not None:
-            x = x[logits_rows]
-        return self.lm_head(self.norm(x)).float()
+        h = self.norm(x)
+        logits = self.lm_head(h if logits_rows is None else h[logits_rows]).float()
+        return (logits, h) if return_hidden else logits
+
+    @torch.no_grad()
+    def mtp_step(self, plan: BatchPlan, caches: Caches, next_ids: torch.Tensor, hidden: torch.Tensor,
+                 logits_rows: torch.Tensor | None = None) -> tuple:
+        """Run the plan's rows through the MTP module (:mod:`dsa.model.mtp`), writing its layer's
+        caches (``caches`` from ``allocate_caches(..., mtp=True)``); no host sync.
+
+        Args:
+            plan: the rows (their positions and slots); next_ids: ``[T]`` the token after each row's;
+            hidden: ``[T, hidden]`` each row's main-model hidden state after the final norm (or the
+                module's own output, chaining drafts); logits_rows: rows whose logits to return.
+
+        Returns:
+            ``(logits [R, vocab] fp32, out [T, hidden])``: ``out`` before ``shared_head.norm``, the
+            hidden state of the next draft.
+        """
+        if self.mtp is None:
+            raise ValueError("model: it has no MTP module (num_nextn_predict_layers = 0)")
+        step = StepContext(plan, caches, self.rope_at(plan.positions))
+        y = self.mtp(self.mtp.project(self.embed_tokens(next_ids.to(self.device)), hidden.to(self.dtype)), step)
+        rows = y if logits_rows is None else y[logits_rows]
+        return self.lm_head(self.mtp.shared_head.norm(rows)).float(), y
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -45,9 +45,11 @@ def default_model(device, dtype: torch.dtype | None = None, tp_size: int = 1):
     return DSAModel.from_pretrained(DEFAULT_CHECKPOINT, dtype=dtype, device=device, tp_size=tp_size)
 
 
-def preset_model(name: str, device, dtype: torch.dtype | None = None, seed: int = 0, tp_size: int = 1):
+def preset_model(name: str, device, dtype: torch.dtype | None = None, seed: int = 0, tp_size: int = 1,
+                 mtp: bool = False):
     """A preset with random weights (seed ``seed``) and the byte-level tokenizer's vocabulary (the
-    presets with another vocabulary get the byte one), bf16 on CUDA, else fp32."""
+    presets with another vocabulary get the byte one), bf16 on CUDA, else fp32; ``mtp``: with a
+    (random) MTP module, built after the other weights (which stay the same)."""
     from dsa.model import DSAModel
     if name not in PRESETS:
         raise ValueError(f"preset: expected one of {', '.join(PRESET_NAMES)}, got {name!r}")
@@ -55,5 +57,7 @@ def preset_model(name: str, device, dtype: torch.dtype | None = None, seed: int 
     config = PRESETS[name]()
     if (config.vocab_size, config.bos_token_id, config.eos_token_id) != (BYTE_VOCAB_SIZE, BYTE_BOS_ID, BYTE_EOS_ID):
         config = dataclasses.replace(config, **BYTE_VOCAB)
+    if mtp:
+        config = dataclasses.replace(config, num_nextn_predict_layers=1)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return DSAModel.random(config, seed=seed, dtype=dtype, device=device, tp_size=tp_size)

@@ -36,12 +36,11 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from dsa.config import DSAConfig
 from dsa.kernels.indexer_query_prep import weight_scale
-from dsa.model.layers import RMSNorm
 from dsa.model.loading import FP8_BLOCK, quantize_fp8_block
+from dsa.model.mtp import MTPLayer
 from dsa.quality.selection import selected_set_kl, topk_mask, warmup_kl
 
 STAGES = ("dense", "warmup", "sparse")
@@ -78,25 +77,16 @@ def new_model(config: DSAConfig, seed: int, device):
     return DSAModel.random(config, seed=seed, dtype=torch.float32, device=device).train().requires_grad_(True)
 
 
-class MTP(nn.Module):
-    """One multi-token-prediction module (DeepSeek-V3's): ``enorm``, ``hnorm``, ``eh_proj [hidden, 2 hidden]``,
-    one :class:`DecoderLayer` (layer id ``num_hidden_layers``, with its indexer) and ``shared_head.norm``;
-    the embedding and the head are the main model's. Exported as ``model.layers.{num_hidden_layers}.*``."""
+class MTP(MTPLayer):
+    """The trainer's MTP module: :class:`dsa.model.mtp.MTPLayer` itself (one home), a dense MLP, its own
+    indexer when the model has one. Exported as ``model.layers.{num_hidden_layers}.*`` under its own names."""
 
     def __init__(self, config: DSAConfig):
-        super().__init__()
-        from dsa.model.model import DecoderLayer
-        h = config.hidden_size
-        self.enorm, self.hnorm = RMSNorm(h, config.rms_norm_eps), RMSNorm(h, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        n = config.num_hidden_layers  # the layer after the last one, with its own indexer
-        self.layer = DecoderLayer(config.replace(num_hidden_layers=n + 1, index_topk_pattern=None), n)
-        self.shared_head = nn.Module()
-        self.shared_head.norm = RMSNorm(h, config.rms_norm_eps)
+        super().__init__(config, runs_indexer=config.index_topk is not None, moe=False)
 
     def export_names(self) -> dict:
-        """``{our name: the V3.2 checkpoint's name without the model.layers.N. prefix}``."""
-        return {n: n.removeprefix("layer.") for n in self.state_dict()}
+        """``{our name: the V3.2 checkpoint's name without the model.layers.N. prefix}``: the same."""
+        return {n: n for n in self.state_dict()}
 
 
 def new_mtp(config: DSAConfig, seed: int, device) -> MTP:
@@ -232,10 +222,9 @@ def run_with_mtp(model, mtp, ids: torch.Tensor, mode: str, topk: int | None = No
         return logits, kls, None
     if s < 3:
         raise ValueError(f"ids: the MTP module needs >= 3 tokens a sequence, got {s}")
-    e = mtp.enorm(model.embed_tokens(ids[:, 1:]))
-    y = mtp.eh_proj(torch.cat((e, mtp.hnorm(hidden.view(b, s, -1)[:, :-1])), dim=-1)).reshape(b * (s - 1), -1)
+    y = mtp.project(model.embed_tokens(ids[:, 1:]), hidden.view(b, s, -1)[:, :-1]).reshape(b * (s - 1), -1)
     rows = None if kl_rows is None else kl_rows[kl_rows < s - 1]
-    y, _, kl = _layer(mtp.layer, y, rot.view(b, s, -1)[:, :-1].reshape(b * (s - 1), -1), b, s - 1, mode, topk,
+    y, _, kl = _layer(mtp, y, rot.view(b, s, -1)[:, :-1].reshape(b * (s - 1), -1), b, s - 1, mode, topk,
                       rows, None)
     if kl is not None:
         kls.append(kl)
@@ -444,7 +433,9 @@ def import_export(export_dir: str, device) -> tuple:
     from dsa.model.loading import SCALE_SUFFIX, dequantize_fp8_block
 
     # hf_config writes the dense MLP as first_k_dense_replace = every layer; the MTP layer past them is dense too
-    config = DSAConfig.from_hf_config(os.path.join(export_dir, "config.json")).replace(n_routed_experts=None)
+    # (the MTP module is kept beside the model, as training holds it: the model is built without one)
+    config = DSAConfig.from_hf_config(os.path.join(export_dir, "config.json")).replace(n_routed_experts=None,
+                                                                                       num_nextn_predict_layers=0)
     raw = load_file(os.path.join(export_dir, "model.safetensors"))
     tensors = {n: dequantize_fp8_block(t, raw[n + SCALE_SUFFIX]) if n + SCALE_SUFFIX in raw else t.float()
                for n, t in raw.items() if not n.endswith(SCALE_SUFFIX)}

@@ -289,7 +289,7 @@ class EngineLoop:
                 "blocks_free": e.scheduler.blocks.num_free, "blocks_in_use": e.num_blocks - e.scheduler.blocks.num_free,
                 "blocks_cached": e.stats.prefix.cached_blocks, "prefix": e.stats.prefix,
                 "preemptions": e.stats.preemptions, "kernel_compiles": e.stats.kernel_compiles,
-                "compiles_after_warmup": e.stats.compiles_after_warmup,
+                "compiles_after_warmup": e.stats.compiles_after_warmup, "spec": e.stats.spec,
                 "rows": dict(e.stats.rows), "finished": dict(self.finished), "rss_bytes": _resident_bytes(),
                 "gpu_bytes": torch.cuda.memory_allocated(e.model.device) if e.model.device.type == "cuda" else None,
                 "structures": structure_sizes(e, self), "resident": resident_by_kind(), "gc": self.gc_pauses.snapshot()}

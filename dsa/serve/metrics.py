@@ -122,6 +122,20 @@ def prometheus_text(m: dict) -> str:
            [("", m["preemptions"])])
     metric("kernel_compiles_total", "counter", "Triton/Gluon kernel variants built in this process.",
            [("", m["kernel_compiles"])])
+    spec = m.get("spec")
+    if spec is not None and spec.speculative_tokens:  # speculative decoding (dsa serve --speculative-tokens N)
+        metric("spec_verify_steps_total", "counter", "Steps that verified draft tokens.", [("", spec.verify_steps)])
+        metric("spec_draft_tokens_total", "counter", "Draft tokens proposed.", [("", spec.drafts)])
+        metric("spec_accepted_tokens_total", "counter", "Draft tokens accepted.", [("", spec.accepted)])
+        metric("spec_accepted_by_position_total", "counter", "Draft tokens accepted, by draft position (0-based).",
+               [(f'{{position="{j}"}}', a) for j, a in enumerate(spec.by_position)])
+        metric("spec_proposed_by_position_total", "counter", "Draft tokens proposed, by draft position (0-based).",
+               [(f'{{position="{j}"}}', a) for j, a in enumerate(spec.proposed_by_position)])
+        metric("spec_tokens_per_step", "gauge", "Tokens a drafting request gets per verify step.",
+               [("", f"{spec.tokens_per_step:.4f}")])
+        metric("spec_draft_seconds_total", "counter", "Seconds drafting.", [("", f"{spec.draft_s:.6f}")])
+        metric("spec_verify_seconds_total", "counter", "Seconds verifying (target pass and rejection sampler).",
+               [("", f"{spec.verify_s:.6f}")])
     if m["rss_bytes"] is not None:  # Prometheus' process collector's name
         lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
                   "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {m['rss_bytes']}"]

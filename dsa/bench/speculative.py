@@ -1,0 +1,117 @@
+"""``dsa bench engine --speculative-tokens N``: decode tokens/s with and without speculation, B = 1.
+
+For each context S one prompt (the demo's held-out text for a checkpoint with a tokenizer, random tokens
+for a preset) is prefilled and NEW tokens are decoded greedily (``ignore_eos``), three ways: the plain
+engine (CUDA graphs, its default), the plain engine eagerly (``cuda_graphs=False``: what the verify steps
+run today), and the speculating engine. Decode time is from the first streamed token to the last, so
+the prefill is not in it. The drafter is the model's MTP module, or with ``--draft-acceptance P`` the
+test drafter (:class:`~dsa.engine.drafter.ScriptedDrafter`) proposing the plain run's own tokens, each
+draft wrong with probability ``1 - P`` (a seeded hash), for a model whose MTP module is random.
+
+Each ``engine_speculative`` row carries the measured acceptance (overall and by draft position), the
+tokens each verify step brings (``tokens_per_step``), the draft and verify times per step, the plain
+step time, ``speedup`` (speculating tokens/s over plain, graphs) and ``predicted_speedup`` =
+``tokens_per_step * plain_step_ms / (draft_ms + verify_ms)``, and ``identical``: the greedy tokens equal
+the plain run's.
+"""
+import os
+import time
+
+import torch
+
+from dsa.engine import Engine
+from dsa.engine.drafter import ScriptedDrafter
+from dsa.engine.sampling import SamplingParams, hash32
+from dsa.kernels.common import cdiv
+
+from .harness import result_row
+
+NEW = 128
+
+
+def spec_model(args, device):
+    """``(model, tokenizer or None, name)``: ``--preset`` with a random MTP module, else ``--checkpoint``
+    (default: the embedded trained model)."""
+    from dsa.model import DSAModel
+    from dsa.model.presets import BYTE_VOCAB, DEFAULT_CHECKPOINT, PRESETS
+    from dsa.serve.tokenizer import Tokenizer
+    if getattr(args, "preset", None):
+        config = PRESETS[args.preset]().replace(num_nextn_predict_layers=1, **BYTE_VOCAB)
+        return DSAModel.random(config, seed=0, dtype=torch.bfloat16, device=device), None, args.preset
+    folder = args.checkpoint or DEFAULT_CHECKPOINT
+    model = DSAModel.from_pretrained(folder, dtype=torch.bfloat16, device=device)
+    tok = Tokenizer.from_pretrained(folder) if os.path.exists(os.path.join(folder, "tokenizer.json")) else None
+    return model, tok, "default" if args.checkpoint is None else os.path.basename(os.path.normpath(folder))
+
+
+def prompt_ids(model, tok, s: int) -> list:
+    """``s`` prompt tokens: the demo text repeated (with a tokenizer), else random ids."""
+    if tok is not None:
+        from dsa.model.presets import DEFAULT_CHECKPOINT
+        with open(os.path.join(os.path.dirname(DEFAULT_CHECKPOINT), "demo_prompt.txt"), encoding="utf-8") as f:
+            ids = tok.encode(f.read())  # the demo's held-out text
+        return (ids * cdiv(s, len(ids)))[:s]
+    g = torch.Generator().manual_seed(s)
+    return torch.randint(0, min(256, model.config.vocab_size), (s,), generator=g).tolist()
+
+
+def decode(engine: Engine, ids: list, new: int) -> tuple:
+    """``(tokens, decode seconds)``: the first streamed token to the last."""
+    sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    out, first = [], None
+    for d in engine.stream([ids], sampling=sp):
+        if first is None:
+            first = time.perf_counter()
+        out.extend(d.token_ids)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - first
+
+
+def set_acceptance(tokens: list, prompt: list, n: int, vocab: int, p: float) -> ScriptedDrafter:
+    """The test drafter: the plain run's tokens, each draft wrong with probability ``1 - p``."""
+    def propose(seq, k):
+        done = len(seq) - len(prompt)
+        return (tokens + [0] * k)[done:done + k]
+    limit = int(p * (1 << 32))
+    return ScriptedDrafter(propose, n, vocab, wrong=lambda count, j: hash32((count * 64 + j) & 0xFFFFFFFF) >= limit)
+
+
+def run(device, timer, ceilings, args) -> list:
+    model, tok, name = spec_model(args, device)
+    longest = model.config.max_position_embeddings - NEW - args.speculative_tokens - 1
+    contexts = sorted({min(s, longest) for s in ((longest,) if args.quick else (1024, 8192, 32768, longest))})
+    return rows(model, tok, name, args.speculative_tokens, args.draft_acceptance, contexts, NEW, ceilings)
+
+
+def rows(model, tok, name: str, n: int, p: float | None, contexts: list, new: int, ceilings: dict) -> list:
+    """One ``engine_speculative`` row per context (module docstring)."""
+    c, out = model.config, []
+    for s in contexts:
+        ids = prompt_ids(model, tok, s)
+        blocks = cdiv(s + new + n + 1, c.block_size) + 1
+        base, t_graph = decode(Engine(model, num_blocks=blocks, prefix_caching=False), ids, new)
+        _, t_eager = decode(Engine(model, num_blocks=blocks, prefix_caching=False, cuda_graphs=False), ids, new)
+        drafter = None if p is None else set_acceptance(base, ids, n, c.vocab_size, p)
+        engine = Engine(model, num_blocks=blocks, prefix_caching=False, speculative_tokens=n, drafter=drafter)
+        got, t_spec = decode(engine, ids, new)
+        st = engine.stats.spec.as_dict()
+        plain_ms = 1e3 * t_graph / (new - 1)
+        predicted = st["tokens_per_step"] * plain_ms / max(st["draft_ms_per_step"] + st["verify_ms_per_step"], 1e-9)
+        out.append(result_row("engine_speculative", f"{name}+N{n}" + ("" if p is None else f"+p{p:g}"),
+                              dict(B=1, S=s, N=n, layers=c.num_hidden_layers), dict(median_us=1e6 * t_spec / (new - 1),
+                                                                                   reps=1), ceilings,
+                              tokens_per_s=(new - 1) / t_spec, plain_tokens_per_s=(new - 1) / t_graph,
+                              plain_eager_tokens_per_s=(new - 1) / t_eager, plain_step_ms=plain_ms,
+                              speedup=t_graph / t_spec, predicted_speedup=predicted, identical=got == base,
+                              drafter="mtp" if p is None else f"scripted p={p:g}", **st))
+        r = out[-1]
+        print(f"{name} B=1 S={s} N={n}: {r['tokens_per_s']:.0f} tokens/s speculating vs {r['plain_tokens_per_s']:.0f} "
+              f"plain ({r['plain_eager_tokens_per_s']:.0f} eager): {r['speedup']:.2f}x (predicted "
+              f"{predicted:.2f}x); acceptance {st['acceptance']:.2f} {st['acceptance_by_position']}, "
+              f"{st['tokens_per_step']:.2f} tokens/step, draft {st['draft_ms_per_step']:.2f} ms + verify "
+              f"{st['verify_ms_per_step']:.2f} ms a step; identical {r['identical']}", flush=True)
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out

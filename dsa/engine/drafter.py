@@ -1,0 +1,123 @@
+"""Drafters for speculative decoding: what proposes a verify step's draft tokens.
+
+A drafter has two calls per step of a speculating engine:
+
+- ``propose(runner, out) -> drafts [S, N]`` int64 on the model's device, before the target runs: a row
+  for each sampled request of the :class:`~dsa.engine.scheduler.SchedulerOutput` (in ``out.sampled``
+  order), its ``out.num_drafts`` first entries drafts, ``-1`` after them (the runner's input batch
+  already holds the step's deltas);
+- ``observe(runner, out, result, tokens, accepted)``, after the rejection sampler: ``result`` the
+  :class:`~dsa.engine.runner.VerifyResult`, ``tokens [S, N + 1]`` / ``accepted [S]`` on the device.
+
+:class:`MTPDrafter` drafts with the model's MTP module (:mod:`dsa.model.mtp`), DeepSeek-V3's chaining as
+vLLM and SGLang run it: ``observe`` runs the module over the verify step's rows (the main model's hidden
+states, each row with the token after it; the rows after a request's accepted ones are overwritten
+before any later row reads them), which writes its layer's caches at every computed position and drafts
+the first token after the accepted ones; ``propose`` chains the others, one MTP decode row per request
+and draft, at positions whose rows the next verify step rewrites. Drafts are the module's argmax (a
+deterministic drafter: the rejection sampler's ``q`` is one-hot). :class:`ScriptedDrafter` is the test
+drafter: proposals from a function of the request's tokens (e.g. the target's own greedy continuation),
+with scripted mismatches.
+"""
+import numpy as np
+import torch
+
+
+def _sampled_rows(out) -> tuple:
+    """``(step index of each sampled request, its drafts)`` as int64 arrays."""
+    req = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
+    return req, np.asarray(out.num_drafts, np.int64)[req] if len(req) else np.zeros(0, np.int64)
+
+
+class MTPDrafter:
+    """Drafts with ``model.mtp`` over the runner's caches (allocated with the MTP layer's) and its own
+    per-row state: the first draft and the module's hidden state of each input-batch row."""
+
+    needs_hidden = True  # the runner returns the verify rows' hidden states
+    uses_mtp_caches = True  # the engine allocates the MTP layer's caches
+
+    def __init__(self, model, num_tokens: int, rows: int):
+        if model.mtp is None:
+            raise ValueError("speculative_tokens: the model has no MTP module (num_nextn_predict_layers = 0); "
+                             "give a drafter or a checkpoint with one")
+        self.model, self.n = model, num_tokens
+        self.first = torch.zeros(rows, dtype=torch.int64, device=model.device)
+        self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype, device=model.device)
+
+    def propose(self, runner, out) -> torch.Tensor:
+        req, k = _sampled_rows(out)
+        model, batch, device = self.model, runner.batch, self.model.device
+        drafts = torch.full((len(req), self.n), -1, dtype=torch.int64, device=device)
+        spec = np.flatnonzero(k > 0)
+        if not len(spec):
+            return drafts
+        rows = batch.rows([out.rids[i] for i in req[spec]])
+        rows_t = torch.from_numpy(rows).to(device)
+        idx = torch.from_numpy(spec).to(device)
+        tok, h = self.first[rows_t], self.hidden[rows_t]
+        drafts[idx, 0] = tok
+        c = np.asarray(out.computed, np.int64)[req[spec]]  # the position of each one's last token
+        for j in range(2, int(k.max()) + 1):  # draft j at position c + j - 1, from the module's row at c + j - 2
+            live = np.flatnonzero(k[spec] >= j)
+            width = max(int(batch.num_blocks[rows[live]].max()), 1)
+            plan = model.plan([1] * len(live), c[live] + j - 2, batch.block_table[rows[live], :width])
+            sel = torch.from_numpy(live).to(device)
+            logits, y = model.mtp_step(plan, runner.caches, tok[sel], h[sel])
+            tok, h = tok.clone(), h.clone()
+            tok[sel], h[sel] = logits.argmax(dim=-1), y
+            drafts[idx[sel], j - 1] = tok[sel]
+        return drafts
+
+    def observe(self, runner, out, result, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The module over the step's rows: every row with the token after it (the next input id in its
+        request; a request's last row, the next prompt token of a chunk; the sampled request's emitted
+        token at its last accepted row), the first draft of each sampled request from that row."""
+        req, _ = _sampled_rows(out)
+        device, batch = self.model.device, runner.batch
+        q, c = np.asarray(out.num_rows, np.int64), np.asarray(out.computed, np.int64)
+        last = np.cumsum(q) - 1
+        nxt = torch.roll(result.ids.long(), -1)
+        after = batch.token_ids[result.rows, np.minimum(c + q, batch.token_ids.shape[1] - 1)].clip(0)
+        nxt[torch.from_numpy(last).to(device)] = torch.from_numpy(after.astype(np.int64)).to(device)
+        if len(req):
+            anchor = torch.from_numpy(result.base).to(device) + accepted
+            nxt[anchor] = tokens.gather(1, accepted[:, None])[:, 0]
+        logits, y = self.model.mtp_step(result.plan, runner.caches, nxt, result.hidden,
+                                        logits_rows=anchor if len(req) else None)
+        if len(req):
+            rows = torch.from_numpy(result.rows[req]).to(device)
+            self.first[rows] = logits.argmax(dim=-1)
+            self.hidden[rows] = y[anchor]
+
+
+class ScriptedDrafter:
+    """A test drafter: ``propose_fn(tokens, k) -> k`` ints (the request's tokens so far: prompt and
+    generated), each replaced by ``(t + 1) % vocab_size`` where ``wrong(count, j)`` says so (``count``:
+    the proposals made so far, one per request and step; ``j``: the draft's index), so tests choose
+    every accepted length."""
+
+    needs_hidden = False
+    uses_mtp_caches = False
+
+    def __init__(self, propose_fn, num_tokens: int, vocab_size: int, wrong=lambda step, j: False):
+        self.propose_fn, self.n, self.vocab_size, self.wrong = propose_fn, num_tokens, vocab_size, wrong
+        self.calls = 0
+        self.proposed = self.accepted = 0  # drafts proposed and accepted so far (the tests read them)
+
+    def propose(self, runner, out) -> torch.Tensor:
+        req, k = _sampled_rows(out)
+        drafts = np.full((len(req), self.n), -1, np.int64)
+        for s, (i, kk) in enumerate(zip(req.tolist(), k.tolist())):
+            if not kk:
+                continue
+            row = runner.batch.row_of[out.rids[i]]
+            tokens = runner.batch.token_ids[row, :out.computed[i] + 1].tolist()
+            proposal = list(self.propose_fn(tokens, kk))[:kk]
+            for j, t in enumerate(proposal):
+                drafts[s, j] = (t + 1) % self.vocab_size if self.wrong(self.calls, j) else t
+            self.calls += 1
+        self.proposed += int(k.sum())
+        return torch.from_numpy(drafts).to(runner.model.device)
+
+    def observe(self, runner, out, result, tokens, accepted) -> None:
+        self.accepted += int(accepted.sum())

@@ -1,0 +1,151 @@
+"""Speculative decoding in the engine: one step drafts, verifies and accepts (vLLM v1's design, scaled down).
+
+The scheduler gives each decode request ``1 + k`` rows (its last token, then ``k <= speculative_tokens``
+draft rows, fewer near its length limit) and blocks for all of them; the drafter
+(:mod:`dsa.engine.drafter`) proposes the draft ids on the device; the runner verifies every row of the
+step in one target pass (:meth:`~dsa.engine.runner.ModelRunner.run_verify`: the verify rows are each
+request's ``k + 1`` query rows, causal, through the indexer's top-k per row and sparse MLA over them);
+the rejection sampler (:mod:`dsa.engine.rejection`) accepts the longest agreeing prefix (greedy) or by
+rejection sampling (sampled), and the drafter's ``observe`` runs the MTP module over the rows. The host
+then reads the tokens once (the step's one sync), applies the stop rules token by token (EOS, stop
+tokens, stop strings, ``max_tokens``: a stop inside the accepted drafts drops the tokens after it), and
+the scheduler advances each request by its accepted rows. Rejected rows stay in the caches past the
+request's ``computed`` length: no row reads them (attention is causal) and the next step overwrites
+them; no prefix-cache name covers them.
+
+Speculating engines schedule without overlap (each step is finished before the next is scheduled) and
+run every step eagerly (no CUDA graphs yet); ``speculative_tokens=0`` is the plain engine, unchanged.
+"""
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dsa.engine.rejection import rejection_sample
+from dsa.engine.sampling import position_keys
+
+
+@dataclass
+class SpecStats:
+    """What speculation did (``EngineStats.spec``): accepted tokens per step and by draft position."""
+    speculative_tokens: int = 0
+    verify_steps: int = 0  # steps that verified at least one draft
+    drafts: int = 0  # draft tokens proposed
+    accepted: int = 0  # of them, accepted
+    emitted: int = 0  # tokens the verify steps' requests produced (accepted drafts + one each)
+    requests: int = 0  # request-steps that carried drafts
+    by_position: list = field(default_factory=list)  # [N]: drafts accepted at draft position j (0-based)
+    proposed_by_position: list = field(default_factory=list)  # [N]: drafts proposed at position j
+    accepted_lengths: list = field(default_factory=list)  # [N + 1]: request-steps that accepted 0 .. N drafts
+    draft_s: float = 0.0  # seconds drafting (proposals and the MTP pass after the target)
+    verify_s: float = 0.0  # seconds in the target pass and the rejection sampler
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafts if self.drafts else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a drafting request gets per verify step (1 without drafts; up to N + 1)."""
+        return self.emitted / self.requests if self.requests else 0.0
+
+    def as_dict(self) -> dict:
+        acc = [a / p if p else 0.0 for a, p in zip(self.by_position, self.proposed_by_position)]
+        return {"speculative_tokens": self.speculative_tokens, "verify_steps": self.verify_steps,
+                "drafts": self.drafts, "accepted": self.accepted, "acceptance": round(self.acceptance, 4),
+                "tokens_per_step": round(self.tokens_per_step, 4), "acceptance_by_position": [round(a, 4) for a in acc],
+                "accepted_lengths": list(self.accepted_lengths),
+                "draft_ms_per_step": round(1e3 * self.draft_s / max(self.verify_steps, 1), 3),
+                "verify_ms_per_step": round(1e3 * self.verify_s / max(self.verify_steps, 1), 3)}
+
+
+class _Clock:
+    """Wall seconds of device work between marks, read after the step's sync (CUDA events on CUDA)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans(self) -> list:
+        m = self.marks
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(m, m[1:])]
+        return [b - a for a, b in zip(m, m[1:])]
+
+
+@dataclass
+class VerifiedStep:
+    """A speculating step on its way to the host."""
+    sampled: list  # SampledRow
+    packed: torch.Tensor  # [S, N + 2] int64: tokens, then accepted
+    clock: _Clock
+    num_drafts: np.ndarray  # [S] drafts each sampled request carried
+
+
+def rejection_args(runner, out, result, n: int, vocab_hash: torch.Tensor) -> dict:
+    """The rejection sampler's per-request parameters and per-row noise keys (the row ``j`` of a
+    request samples the token at its sampled index + j)."""
+    req = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
+    rows, sr = result.rows[req], runner.batch.sampling
+    index = np.fromiter((x.index for x in out.sampled), np.int64, len(out.sampled))
+    k1, k2 = position_keys(sr.seed_key[rows][:, None], index[:, None] + np.arange(n + 1)[None, :])
+    dev = runner.model.device
+    f32 = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(dev)  # noqa: E731
+    return dict(temperature=f32(sr.temperature[rows]), top_k=torch.from_numpy(sr.top_k[rows]).to(dev),
+                top_p=f32(sr.top_p[rows]), min_p=f32(sr.min_p[rows]), greedy=torch.from_numpy(sr.greedy[rows]).to(dev),
+                keys=torch.from_numpy(np.stack((k1, k2), axis=-1).astype(np.int64)).to(dev), vocab_hash=vocab_hash,
+                sort=bool((sr.sorts[rows] & ~sr.greedy[rows]).any()))
+
+
+def launch(engine, out) -> VerifiedStep:
+    """Draft, verify, accept, observe: one step on the device, its tokens on their way to the host."""
+    runner, drafter, n = engine.runner, engine.drafter, engine.speculative_tokens
+    clock = _Clock(engine.model.device)
+    runner.batch.apply(out)
+    clock.mark()
+    drafts = drafter.propose(runner, out)
+    clock.mark()
+    result = runner.run_verify(out, drafts, hidden=drafter.needs_hidden)
+    tokens, accepted = rejection_sample(result.logits, drafts, **rejection_args(runner, out, result, n,
+                                                                                engine.sampler.vocab_hash))
+    clock.mark()
+    drafter.observe(runner, out, result, tokens, accepted)
+    clock.mark()
+    s = engine._stats
+    for path, rows in result.paths.items():
+        s.rows[path] += rows
+    s.peak_workspace_bytes = max(s.peak_workspace_bytes, result.workspace_bytes)
+    packed = torch.cat((tokens, accepted[:, None]), dim=1).cpu() if len(out.sampled) else torch.zeros(0, n + 2)
+    k = np.asarray(out.num_drafts, np.int64)[[x.row for x in out.sampled]] if out.sampled else np.zeros(0, np.int64)
+    return VerifiedStep(out.sampled, packed, clock, k)
+
+
+def count(stats: SpecStats, step: VerifiedStep, accepted: np.ndarray, emitted: list) -> None:
+    """Speculation's counters for a finished step (``emitted``: tokens each sampled request kept)."""
+    k = step.num_drafts
+    spans = step.clock.spans()
+    stats.draft_s += spans[0] + spans[2]
+    stats.verify_s += spans[1]
+    if not k.any():
+        return
+    stats.verify_steps += 1
+    for kk, a, e in zip(k.tolist(), accepted.tolist(), emitted):
+        if not kk:
+            continue
+        stats.requests += 1
+        stats.drafts += kk
+        stats.accepted += a
+        stats.emitted += e
+        stats.accepted_lengths[a] += 1
+        for j in range(kk):
+            stats.proposed_by_position[j] += 1
+            stats.by_position[j] += j < a
