@@ -109,6 +109,19 @@ def test_group_marks_information_cells():
     assert rows[0]["rules"]["oracle"]["accuracy"] == 0.5 and rows[0]["information_only"] is False
     assert rows[1]["rules"]["dense"]["accuracy"] == pytest.approx(1 / 3) and rows[1]["information_only"] is True
     assert rows[1]["rules"]["oracle"]["logprob"] == -3.0
+    assert (rows[0]["rules"]["oracle"]["dense_answered_missed"], rows[0]["rules"]["oracle"]["answered_dense_missed"]) \
+        == (1, 0), "paired on the same samples: dense answered two, the oracle one of them"
+    assert rows[1]["rules"]["oracle"]["dense_answered_missed"] == 1 and "dense_answered_missed" not in rows[1]["rules"]["dense"]
+
+
+def test_the_paired_counts_are_not_the_accuracy_difference():
+    """Dense and the rule both at 0.5, yet they answer different samples: 1 missed, 1 gained."""
+    rec = lambda d, o: {"task": "needle", "length": 512, "rules": {  # noqa: E731
+        "dense": {"retrieved": d, "logprob": -1.0}, "fitted": {"retrieved": o, "logprob": -1.0}}}
+    (row,) = needle.group([rec(True, False), rec(False, True)], ("task", "length"))
+    cell = row["rules"]["fitted"]
+    assert cell["accuracy"] == row["rules"]["dense"]["accuracy"] == 0.5
+    assert (cell["dense_answered_missed"], cell["answered_dense_missed"]) == (1, 1)
 
 
 # ---- selection rules and scoring -------------------------------------------------------------------------

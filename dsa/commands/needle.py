@@ -186,7 +186,8 @@ def run(args) -> int:
         json.dump(result, f, indent=1)
     png = plot(result, args.out)
     print(table_text(result))
-    print(f"accuracy [95% Wilson interval], mean answer log-probability in nats; k = context/{args.k_fraction}; "
+    print(f"accuracy [95% Wilson interval], mean answer log-probability in nats, -missed/+gained against dense "
+          f"on the same samples; k = context/{args.k_fraction}; "
           f"{result['seconds']} s on {device} in {len(runs)} run(s)")
     print(f"wrote {path} and {os.path.basename(png)} from {results} ({result['samples_done']} of {total} samples)")
     if ended == "budget":

@@ -159,7 +159,9 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple:
 
 def group(records: list, keys: tuple) -> list:
     """Per value of ``keys`` (e.g. ``("task", "length")``) and rule: n, accuracy, its Wilson interval and
-    the mean answer log-probability; ``information_only`` where dense accuracy is < 0.5."""
+    the mean answer log-probability; ``information_only`` where dense accuracy is < 0.5; beside dense, each
+    rule's paired counts on the same samples: ``dense_answered_missed`` (the issue's target: at most 3 of 100)
+    and ``answered_dense_missed``."""
     by = defaultdict(list)
     for r in records:
         by[tuple(r[k] for k in keys)].append(r)
@@ -175,6 +177,12 @@ def group(records: list, keys: tuple) -> list:
                                   "logprob": sum(r["rules"][rule]["logprob"] for r in rs) / len(rs)}
         if "dense" in row["rules"]:
             row["information_only"] = row["rules"]["dense"]["accuracy"] < 0.5
+            dense = [r["rules"]["dense"]["retrieved"] for r in rs]
+            for rule, cell in row["rules"].items():  # paired on the same samples
+                if rule != "dense":
+                    got = [r["rules"][rule]["retrieved"] for r in rs]
+                    cell["dense_answered_missed"] = sum(d and not g for d, g in zip(dense, got))
+                    cell["answered_dense_missed"] = sum(g and not d for d, g in zip(dense, got))
         out.append(row)
     return out
 
@@ -185,13 +193,16 @@ def summarize(records: list) -> dict:
 
 
 def table_text(result: dict) -> str:
-    """The README table (markdown): accuracy [95 % interval], mean answer log-probability in nats."""
+    """The README table (markdown): accuracy [95 % interval], mean answer log-probability in nats, and beside
+    dense each rule's -missed/+gained on the same samples (dense answered and the rule did not / the reverse)."""
     rules = result["args"]["rules"]
     lines = ["| task | context | k | n | " + " | ".join(LABELS[r] for r in rules) + " | reading |",
              "|---|---|---|---|" + "---|" * len(rules) + "---|"]
     ks = {(r["length"]): r["k"] for r in result["records"]}
     for row in result["summary"]["by_task_length"]:
-        cells = [f"{c['accuracy']:.2f} [{c['low']:.2f}, {c['high']:.2f}], {c['logprob']:.2f}"
+        paired = lambda c: f", -{c['dense_answered_missed']}/+{c['answered_dense_missed']}" \
+            if "dense_answered_missed" in c else ""  # noqa: E731
+        cells = [f"{c['accuracy']:.2f} [{c['low']:.2f}, {c['high']:.2f}], {c['logprob']:.2f}{paired(c)}"
                  for c in (row["rules"][r] for r in rules)]
         reading = "-" if "information_only" not in row else \
             ("information (dense < 0.5)" if row["information_only"] else "target")
