@@ -18,7 +18,8 @@
 # receive: one call per part, carrying `.xfer/retrieval.tar.xz.partNN` and `.xfer/SHA256SUMS`. A warm machine
 # keeps /tmp between calls; a carried folder is gone in the next call.
 # fit: joins the parts once (sha256 checked), then starts `dsa fit-indexer` under setsid (it outlives the call;
-# it writes its indexers every --checkpoint-minutes) into $RUN/fit, continuing from the packaged indexers.
+# it writes its indexers every --checkpoint-minutes) into $RUN/fit, continuing from the packaged indexers;
+# --max-minutes decides its length (--steps 1000000 unless given: the sparse stage is a share of the time).
 # needle: `dsa needle` in the foreground for --max-minutes ${MINUTES:-8.5}, appending to $RUN/needle/needle.jsonl;
 # the same call again continues; a fresh machine resumes from a carried `.xfer/needle.jsonl`. INDEXERS=DIR
 # chooses the fitted rule's indexers (default: the fit's, else the packaged ones); TEXT=heldout-shakespeare
@@ -84,7 +85,7 @@ fit)
     if [ -f "$RUN/fit.pid" ] && kill -0 "$(cat "$RUN/fit.pid")" 2>/dev/null; then echo "a fit is running" >&2; exit 1; fi
     rm -rf "$RUN/fit"
     setsid nohup $py -m dsa fit-indexer --gguf "$DATA"/*.gguf --train "$DATA"/train/*.npy \
-        --heldout "$DATA"/heldout/moby-dick.npy --init $PACKAGED --out "$RUN/fit" "$@" > "$RUN/fit.log" 2>&1 &
+        --heldout "$DATA"/heldout/moby-dick.npy --init $PACKAGED --steps 1000000 --out "$RUN/fit" "$@" > "$RUN/fit.log" 2>&1 &
     echo $! > "$RUN/fit.pid"
     sleep 20; tail -c 400 "$RUN/fit.log" | tr '\r' '\n' | tail -3 ;;
 wait)
