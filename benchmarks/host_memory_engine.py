@@ -20,8 +20,13 @@ On CUDA the engine warms up (``Engine.warmup``) and ``gc.freeze()`` runs after i
 does. ``--preset small-rows`` is a one-layer model with the FP8 latent, small rows (hidden 64) and
 blocks of 16, so a pool of as many blocks as demo-gpu's on an H200 (~344K) fits on a CPU (4.4 GB);
 its ``index_topk`` is demo-gpu's (2048), so its prefill rows take the same dense/sparse paths.
+``--preset stub`` runs no model at all (:class:`RoutingStub`): the engine's host side with demo-gpu's
+routing on an H200, in milliseconds a step. Every run counts the distinct shapes of the MHA prefill's
+SDPA calls (``mha_shapes``): cuDNN attention keeps a plan for each (issue #37).
 
     python benchmarks/host_memory_engine.py --device cpu --preset small-rows --num-blocks 350000 --requests 3000
+    python benchmarks/host_memory_engine.py --device cpu --preset stub --num-blocks 32768 --requests 5000 \
+        --fit-soak benchmarks/results/soak-h200-2026-12-02-pool32k.json
     python benchmarks/host_memory_engine.py --device cuda --preset demo-gpu --requests 2000 [--tracemalloc]
 
 Writes ``--json`` (default ``out/host-memory-engine/host-memory-engine-<device>-<preset>-<date>.json``)
@@ -67,6 +72,8 @@ def small_rows_config(index_topk: int = 2048) -> DSAConfig:
 def build_model(preset: str, device: torch.device, seed: int, index_topk: int = 2048):
     from dsa.model import DSAModel
     from dsa.model.presets import preset_model
+    if preset == "stub":
+        return RoutingStub()
     if preset == "small-rows":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         return DSAModel.random(small_rows_config(index_topk), seed=seed, dtype=dtype, device=device)
@@ -103,18 +110,50 @@ def smaps_by_mapping() -> dict:
     return dict(out)
 
 
-MHA_SHAPES: set = set()  # (query rows, keys, masked) of every MHA prefill segment run (SDPA's shapes)
+MHA_SHAPES: set = set()  # (query rows, keys, behind a prefix) of every MHA prefill segment (SDPA's shapes)
 
 
 def count_mha_shapes() -> None:
-    """Record the shape of each SDPA call of the MHA prefill path in :data:`MHA_SHAPES`."""
-    from dsa.model.attention import DSAAttention
-    real = DSAAttention._mha
+    """Record each step's MHA prefill segments (the plan's ``route.mha``: one SDPA call per layer each)
+    in :data:`MHA_SHAPES`, for any model (the stub's too)."""
+    from dsa.model.plan import HostPlan
+    real = HostPlan.pack
 
-    def _mha(self, q_nope, q_pe, seg, latent):
-        MHA_SHAPES.add((seg.num_rows, seg.num_keys, seg.mask is not None))
-        return real(self, q_nope, q_pe, seg, latent)
-    DSAAttention._mha = _mha
+    def pack(cls, *args, **kwargs):
+        host = real(*args, **kwargs)
+        MHA_SHAPES.update((seg.num_rows, seg.num_keys, seg.pos0 > 0) for seg in host.route.mha)
+        return host
+    HostPlan.pack = classmethod(pack)
+
+
+class RoutingStub:
+    """``--preset stub``: demo-gpu's routing on the H200 (``index_topk`` 2048, MHA from 512 dense rows,
+    its up-projected K/V bytes per token, the packaged dispatch file's threshold) with no kernels: a step
+    returns zero logits (greedy token 0: no request stops early), so the engine schedules, chunks and
+    routes the soak's requests as ``dsa serve --preset demo-gpu`` does on an H200, in milliseconds."""
+
+    def __init__(self):
+        from dsa.model.presets import PRESETS
+        self.config = PRESETS["demo-gpu"]()
+        self.device, self.dtype = torch.device("cpu"), torch.bfloat16
+
+    def modules(self):
+        return iter(())
+
+    def allocate_caches(self, num_blocks: int):
+        return SimpleNamespace(num_blocks=num_blocks)
+
+    def plan_options(self):
+        from dsa.model.dispatch import Dispatch
+        from dsa.model.route import PlanOptions
+        c = self.config
+        kv = c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim + 2 * c.qk_head_dim) * 2  # bf16
+        return PlanOptions(index_topk=c.index_topk, dispatch=Dispatch(c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim,
+                                                                      prefill_mha_min_query=512),
+                           mha_kv_bytes_per_token=kv)
+
+    def step(self, plan, caches, logits_rows=None) -> torch.Tensor:
+        return torch.zeros(len(plan.query_lens), self.config.vocab_size)
 
 
 def sample(engine, requests: int, t0: float, traced: bool) -> dict:
@@ -209,13 +248,54 @@ def top_tracebacks(snap0, snap1, n_requests: int, limit: int = 12) -> list:
     return rows
 
 
+SOAK_HEAP = 'dsa_resident_memory_bytes{kind="malloc_in_use"}'
+
+
+def fit_soak(samples: list, soak_json: str) -> dict | None:
+    """A ``dsa bench serve --soak`` JSON's glibc heap in use (``malloc_in_use``) against this run's MHA
+    shapes met by the same request counts (the same plan, scheduled alike): a least-squares line's
+    bytes per new shape, its correlation against shapes and against requests, and what is left per
+    request after it (the residual's slope)."""
+    with open(soak_json) as f:
+        trace = json.load(f)["summary"]["memory_trace"]
+    shapes = {s["requests"]: s["mha_shapes"] for s in samples}
+    pts = [(shapes[m["requests"]], m[SOAK_HEAP], m["requests"]) for m in trace
+           if m["requests"] in shapes and SOAK_HEAP in m]
+    if len(pts) < 3:
+        return None
+    x, y, n = np.array(pts, dtype=np.float64).T
+    b, a = np.polyfit(x, y, 1)
+    return {"soak": soak_json, "points": [[int(i), int(j), int(k)] for i, j, k in pts],
+            "malloc_in_use_bytes_per_mha_shape": float(b), "intercept_bytes": float(a),
+            "corr_with_mha_shapes": float(np.corrcoef(x, y)[0, 1]), "corr_with_requests": float(np.corrcoef(n, y)[0, 1]),
+            "residual_bytes_per_request": float(np.polyfit(n, y - (a + b * x), 1)[0]),
+            "residual_std_bytes": float((y - (a + b * x)).std())}
+
+
+def plot_fit(ax, fit: dict) -> None:
+    x, y, _ = np.array(fit["points"], dtype=np.float64).T
+    ax.plot(x, y / 2**20, "o", ms=4, label="soak's malloc_in_use at the same request counts")
+    xs = np.array([x.min(), x.max()])
+    b = fit["malloc_in_use_bytes_per_mha_shape"]
+    ax.plot(xs, (fit["intercept_bytes"] + b * xs) / 2**20, "k--", lw=1,
+            label=f"{b / 2**20:.2f} MiB per shape, r = {fit['corr_with_mha_shapes']:.4f}")
+    ax.set_title("the soak's C heap against the MHA prefill shapes met", fontsize=10)
+    ax.set_xlabel("distinct SDPA shapes of the MHA prefill (this run)")
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=8)
+
+
 def plot(result: dict, path: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     s = result["samples"]
     x = np.array([r["requests"] for r in s])
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fit = result.get("soak_fit")
+    fig, axes = plt.subplots(1, 2 if fit else 1, figsize=(13 if fit else 7.5, 4.2))
+    ax = axes[0] if fit else axes
+    if fit:
+        plot_fit(axes[1], fit)
     for key, label in (("rss", "resident memory (VmRSS)"), ("malloc_in_use", "glibc heap in use (mallinfo2)"),
                        ("traced", "traced by tracemalloc")):
         if all(key in r for r in s):
@@ -239,7 +319,7 @@ def plot(result: dict, path: str) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
-    p.add_argument("--preset", default="small-rows", help="small-rows (module docstring), tiny, demo-cpu, demo-gpu")
+    p.add_argument("--preset", default="small-rows", help="small-rows, stub (module docstring), tiny, demo-cpu, demo-gpu")
     p.add_argument("--index-topk", type=int, default=2048,
                    help="small-rows only: its index_topk (2048 as demo-gpu's; a CPU soak takes 64: the CPU's "
                         "reference sparse kernel gathers index_topk latent rows per prompt row)")
@@ -260,6 +340,8 @@ def parse_args(argv=None):
                         "#37: dsa.model.attention.MHA_SDPA_BACKENDS), to measure the two in turn")
     p.add_argument("--no-warmup", action="store_true", help="skip Engine.warmup on CUDA")
     p.add_argument("--cpu-threads", type=int, default=None)
+    p.add_argument("--fit-soak", default=None, metavar="SOAK_JSON",
+                   help="fit that soak's malloc_in_use against this run's MHA shapes at the same request counts")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -338,9 +420,17 @@ def main(argv=None) -> int:
                         "smaps_by_mapping_bytes": dict(smaps), "tracemalloc_top": top},
         "samples": samples,
     }
+    if args.fit_soak:
+        result["soak_fit"] = fit = fit_soak(samples, args.fit_soak)
+        if fit:
+            print(f"{args.fit_soak}: malloc_in_use = {fit['intercept_bytes'] / 2**20:.0f} MiB + "
+                  f"{fit['malloc_in_use_bytes_per_mha_shape']:,.0f} B x MHA shapes (r = {fit['corr_with_mha_shapes']:.4f}; "
+                  f"against requests r = {fit['corr_with_requests']:.4f}); left: "
+                  f"{fit['residual_bytes_per_request']:,.0f} B per request")
     slopes = result["slopes_bytes_per_request"]
     print("slope over the second half, bytes per request: "
-          + ", ".join(f"{k} {v:,.0f}" for k, v in slopes.items() if v is not None), flush=True)
+          + ", ".join(f"{k} {v:,.0f}" if abs(v) >= 10 else f"{k} {v:.3f}" for k, v in slopes.items() if v is not None),
+          flush=True)
     print(f"pool full at request {full}; objects grown in the second half: {types}")
     print("smaps growth in the second half (bytes):", dict(smaps))
     for row in top or []:
