@@ -16,6 +16,10 @@
 #      bench-layer DSA ops, base and new (after g, which installs the base)
 #   c: the prefill chunk budget (issue #25 item 5): for --max-batch-tokens 2048, 4096, 8192, 16384 a warm
 #      server, 64 x 8K (all done, TTFT) and 32 requests of 1K-16K prompts with 256 new tokens (TTFT, ITL)
+#   h: host memory of an in-process Engine under the soak's mix (benchmarks/host_memory_engine.py, issue #37):
+#      HM requests (default 2000) on demo-gpu with a pool of HM_BLOCKS (default 16384: full within the first
+#      quarter), the MHA prefill's SDPA without cuDNN (the fix) and with it (--cudnn-sdpa); HM_FLAGS adds flags
+#      (e.g. --tracemalloc)
 #   p: host memory of the step's pinned copies, pinned anew per step against dsa.engine.staging (issue #26)
 #   g: speed guards: bench layer and bench engine (--quick) of .base (the branch point, unpacked by the
 #      caller from `git archive f0020de`) and of this tree, in the same run
@@ -119,6 +123,14 @@ if [[ $PARTS == *c* ]]; then
     load chunk$chunk-64x8k 120 --num-requests 64 --concurrency 64 --input-len 8000 --max-tokens 128
     load chunk$chunk-mixed 120 --num-requests 32 --concurrency 32 --input-len-range 1000 16000 --max-tokens 256
     serve_down chunk$chunk
+  done
+fi
+if [[ $PARTS == *h* ]]; then
+  for v in "" "--cudnn-sdpa"; do
+    say "host_memory_engine ${v:-(cuDNN attention off)} ${HM_FLAGS:-}"
+    timeout 300 python3 benchmarks/host_memory_engine.py --device cuda --preset demo-gpu --num-blocks ${HM_BLOCKS:-16384} \
+      --requests ${HM:-2000} $v ${HM_FLAGS:-} --json "$OUT/host-memory-engine-h200${v:+-cudnn}.json" 2>&1 \
+      | grep -Ev "leaked|nanobind|skipped rem" | tail -40 | tee -a "$LOG"
   done
 fi
 if [[ $PARTS == *p* ]]; then

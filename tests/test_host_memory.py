@@ -109,3 +109,39 @@ def test_freeze_after_warmup_leaves_the_frozen_objects_out_of_collections():
         del kept
     finally:
         gc.unfreeze()
+
+
+def _mha_engine(device, dtype, num_blocks: int = 512, prefix_caching: bool = True):
+    """A tiny model whose dense prefill rows all take the MHA path (SDPA), on an engine."""
+    from dsa.config import DSAConfig
+    from dsa.model import DSAModel
+    from dsa.model.dispatch import Dispatch
+    config = DSAConfig.tiny(n_routed_experts=None, index_topk=2048, max_position_embeddings=4096, vocab_size=256)
+    model = DSAModel.random(config, seed=0, dtype=dtype, device=device)
+    model.dispatch = Dispatch(kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+                              v_head_dim=config.v_head_dim, prefill_mha_min_query=1)
+    return Engine(model, num_blocks=num_blocks, max_num_seqs=8, cuda_graphs=False, prefix_caching=prefix_caching)
+
+
+def test_the_mha_prefill_runs_sdpa_without_cudnn_attention(monkeypatch):
+    """cuDNN attention keeps one execution plan per shape with no bound (``MHA_SDPA_BACKENDS``), and
+    prefill segments bring a new shape with almost every prompt: the MHA path turns it off around its
+    SDPA call (what the H200's ~200 KB per request was, issue #37); the other backends stay on."""
+    import torch
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+                     torch.backends.cuda.mem_efficient_sdp_enabled()))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    outside = torch.backends.cuda.cudnn_sdp_enabled()
+    engine = _mha_engine("cpu", torch.float32)
+    rng = random.Random(0)
+    engine.generate([[rng.randrange(256) for _ in range(n)] for n in (5, 17, 40)], max_new_tokens=2)
+    assert len(seen) >= 3, "no prefill took the MHA path"
+    assert all(s == (False, True, True) for s in seen), f"(cudnn, flash, efficient) enabled at SDPA calls: {set(seen)}"
+    assert torch.backends.cuda.cudnn_sdp_enabled() == outside, "the global setting was not restored"

@@ -18,6 +18,7 @@ fits in ``index_topk`` is handed every position), so a row's kernel never depend
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dsa.cache import LatentCache, write_latent
 from dsa.config import DSAConfig, layer_runs_indexer, softmax_scale
@@ -27,6 +28,13 @@ from dsa.kernels.sparse_mla import gather_latent_rows
 from dsa.model.absorb import absorb_kv_b
 from dsa.model.layers import RMSNorm
 from dsa.model.parallel import TensorParallel
+
+# The SDPA backends of the MHA prefill path: every one but cuDNN's. PyTorch prefers cuDNN attention on
+# Hopper and Blackwell (sm90 / sm100, a recent cuDNN), and cuDNN attention builds one execution plan per
+# shape it meets and keeps it in a thread-local map with no bound (MHAGraphCache): a server's prefill
+# segments bring a new (query rows, keys) shape with almost every prompt, so that map grew the host's heap
+# with the requests served (issue #37). Flash and memory-efficient attention keep nothing per shape.
+MHA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class DSAAttention(nn.Module):
@@ -149,8 +157,9 @@ class DSAAttention(nn.Module):
         if v.shape[-1] != k.shape[-1]:  # equal head dims let SDPA pick a fused kernel instead of the math path
             v = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, len, D]: 4-D for the fused kernels
-        if seg.mask is None:  # no prefix: top-left and bottom-right causal alignment coincide
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        else:  # the plan's bottom-right causal mask, built once for every layer
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=self.softmax_scale)
+        with sdpa_kernel(MHA_SDPA_BACKENDS):  # not cuDNN: it keeps a plan per shape (MHA_SDPA_BACKENDS)
+            if seg.mask is None:  # no prefix: top-left and bottom-right causal alignment coincide
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+            else:  # the plan's bottom-right causal mask, built once for every layer
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=self.softmax_scale)
         return o[0, ..., :c.v_head_dim].transpose(0, 1)

@@ -25,13 +25,17 @@ import gc
 import time
 
 
-def structure_sizes(engine, loop) -> dict:
-    """Entries of each growing host structure (module docstring), named as in ``/metrics``."""
+def structure_sizes(engine, loop=None) -> dict:
+    """Entries of each growing host structure (module docstring), named as in ``/metrics``; the
+    loop's (``loop_requests``, ``rate_window_steps``) only with a ``loop``."""
     bm, s = engine.scheduler.blocks, engine.scheduler
-    return {"prefix_names": len(bm.by_name), "prefix_blocks": len(bm.name_of), "prefix_evictable": len(bm.evictable),
-            "block_refs": len(bm.refs), "in_flight_names": len(bm.in_flight), "free_blocks": len(bm.free_ids),
-            "engine_requests": len(engine._requests), "scheduler_waiting": len(s.waiting),
-            "scheduler_running": len(s.running), "loop_requests": len(loop._live), "rate_window_steps": len(loop._steps)}
+    sizes = {"prefix_names": len(bm.by_name), "prefix_blocks": len(bm.name_of), "prefix_evictable": len(bm.evictable),
+             "block_refs": len(bm.refs), "in_flight_names": len(bm.in_flight), "free_blocks": len(bm.free_ids),
+             "engine_requests": len(engine._requests), "scheduler_waiting": len(s.waiting),
+             "scheduler_running": len(s.running)}
+    if loop is not None:
+        sizes.update(loop_requests=len(loop._live), rate_window_steps=len(loop._steps))
+    return sizes
 
 
 def resident_by_kind() -> dict | None:
