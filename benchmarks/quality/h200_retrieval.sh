@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #36 on one H200 (no network there): the retrieval fit, the recall tables before and after, and the
 # needle grid, in device calls of at most 10 minutes, each carrying at most 64 MiB with the tracked tree
-# (43 MB): the inputs go over as one xz tar in parts of <= 21.5 MB.
+# (45.6 MB): the inputs go over as one xz tar in parts of <= 20 MB.
 #
 #   bash benchmarks/quality/h200_retrieval.sh pack [TEXT_DIR] [GGUF]  # CPU: .xfer/retrieval.tar.xz.partNN + SHA256SUMS
 #   bash benchmarks/quality/h200_retrieval.sh receive PART...         # device: copy parts to $XFER, sha256-checked
@@ -30,7 +30,7 @@ cd "$(dirname "$0")/../.."
 XFER=${XFER:-/tmp/xfer} DATA=${DATA:-/tmp/retrieval-data} RUN=${RUN:-/tmp/retrieval-run} SITE=${SITE:-/tmp/retrieval-site}
 OUT=${OUT:-/tmp/out}
 py=${PY:-python3}
-PART_SIZE=21500000  # bytes: with the 43 MB tree, under the 64 MiB a call carries
+PART_SIZE=20000000  # bytes: with the 45.6 MB tree, under the 64 MiB (67.1 MB) a call carries
 PACKAGED=dsa/data/indexers/smollm2
 
 prepare() {  # install dsa, join and unpack the parts once, make gguf importable
