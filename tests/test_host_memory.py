@@ -102,10 +102,10 @@ def test_gc_pauses_count_collections_per_generation_and_the_longest():
 
 def test_freeze_after_warmup_leaves_the_frozen_objects_out_of_collections():
     try:
-        frozen = freeze_after_warmup()
-        assert frozen == gc.get_freeze_count() > 0
-        kept = [object() for _ in range(10)]
-        assert gc.get_freeze_count() == frozen, "objects made after the freeze were frozen too"
+        frozen = freeze_after_warmup()  # a frozen object freed later (another thread's) leaves the count
+        assert 0 < gc.get_freeze_count() <= frozen
+        kept = [object() for _ in range(1000)]
+        assert gc.get_freeze_count() <= frozen, "objects made after the freeze were frozen too"
         del kept
     finally:
         gc.unfreeze()
