@@ -156,7 +156,7 @@ def test_a_fit_continues_from_its_init_and_runs_both_stages(tiny, setup):
 
 
 # ---- the command --------------------------------------------------------------------------------------
-def test_fit_indexer_fits_for_retrieval_then_continues_from_its_files(tiny, tmp_path):
+def test_fit_indexer_fits_for_retrieval_then_continues_from_its_files(tiny, tmp_path, capsys):
     import json
 
     from dsa.cli import main
@@ -179,6 +179,9 @@ def test_fit_indexer_fits_for_retrieval_then_continues_from_its_files(tiny, tmp_
                  str(tmp_path / "b")]) == 0
     second = load_indexers(str(tmp_path / "b"), teacher.config)
     assert second[0].config.index_n_heads == 2, "--init decides the heads"
+    capsys.readouterr()
+    assert main([*base, "--steps", "2", "--max-minutes", "60", "--sparse-share", "0.5", "--out", str(tmp_path / "d")]) == 0
+    assert "no sparse step ran: --steps 2 ended the fit" in capsys.readouterr().out, "said when the time share never came"
     for flags, message in ((["--retrieval", "2"], "--retrieval"), (["--sparse-share", "-0.1"], "--sparse-share"),
                            (["--sparse-k-fraction", "0"], "--sparse-k-fraction"),
                            (["--checkpoint-minutes", "0"], "--checkpoint-minutes")):

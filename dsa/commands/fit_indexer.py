@@ -124,6 +124,9 @@ def run(args) -> int:
     png = plot_curve(record, args.out, f"indexer fit on {teacher.config.name}\n{len(layers)} layers, HI={heads}, "
                      f"{context} tokens/window, lr {args.lr}, retrieval share {args.retrieval}")
     report(record)
+    if args.sparse_share > 0 and record["steps"] and not record["steps_by_stage"]["sparse"]:
+        print(f"dsa fit-indexer: no sparse step ran: --steps {args.steps} ended the fit before the last "
+              f"--sparse-share {args.sparse_share} of the time (give more --steps with --max-minutes)")
     print(f"{record['steps']} steps ({record['steps_by_stage']['sparse']} sparse) in {record['train_seconds']} s "
           f"({time.perf_counter() - t_start:.0f} s in all); wrote {len(paths)} indexers, fit.json and "
           f"{os.path.basename(png)} to {args.out}")
