@@ -4,6 +4,9 @@
 # Usage: bash benchmarks/run_h200.sh <git-sha> [parts]
 #   t: every GPU test   p: bench prefix   l: bench layer   e: bench engine   d: the GPU demo
 #   m: bench mla        k: bench topk     i: bench indexer
+#   g: bench long at 128K-1M on demo-gpu (+ dense at 128K), ~5 min      (issue #38; each of g, s, q
+#   s: one 1M-token request through dsa serve --max-model-len, ~4 min    fills one 10-minute call)
+#   q: a smoke run of both (32K-256K, and a 128K request on a 1M-limit server), ~5 min
 # Each part is bounded by a timeout; bench output is appended to $OUT/bench.log.
 # Default parts: tpld. Install with `python -m pip` (a bare `pip` there belongs to another Python).
 set -uo pipefail
@@ -16,6 +19,11 @@ bench() {  # op, seconds allowed
   timeout "$2" python -m dsa bench "$1" --out "$OUT" --git-sha "$SHA" --reps 20 2>&1 | tee -a "$OUT/bench.log" \
     | grep -E "^(B=|dsa |dense |cached|uncached|wrote|Traceback|[A-Za-z]*Error)"
 }
+serve_long() {  # prompt tokens, result file, seconds allowed
+  timeout "$3" python -m dsa bench serve --preset demo-gpu --max-model-len 1049600 --num-requests 1 \
+    --concurrency 1 --input-len "$1" --max-tokens 32 --ignore-eos --ready-timeout 400 --request-timeout 400 \
+    --json "$OUT/$2" 2>&1 | grep -v "req/s]\|it/s]" | tail -20
+}
 [[ $PARTS == *t* ]] && { timeout 250 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -80 > "$OUT/gpu-tests.log"
                          tail -30 "$OUT/gpu-tests.log"; }
 [[ $PARTS == *p* ]] && bench prefix 70
@@ -25,4 +33,9 @@ bench() {  # op, seconds allowed
 [[ $PARTS == *m* ]] && bench mla 120
 [[ $PARTS == *k* ]] && bench topk 90
 [[ $PARTS == *i* ]] && bench indexer 90
+[[ $PARTS == *g* ]] && timeout 560 python -m dsa bench long --lengths 131072,262144,524288,1048576 --out "$OUT" \
+  --git-sha "$SHA" 2>&1 | tee -a "$OUT/bench-long.log" | grep -v "^long_prefill"
+[[ $PARTS == *s* ]] && serve_long 1048576 "serve-1m-h200-$(date -u +%F).json" 560
+[[ $PARTS == *q* ]] && { timeout 300 python -m dsa bench long --lengths 32768,131072,262144 --dense-up-to 32768 \
+  --out "$OUT" --git-sha "$SHA" 2>&1 | grep -v "^long_prefill"; serve_long 131072 "serve-128k-on-1m-h200.json" 240; }
 exit 0
