@@ -22,10 +22,11 @@
 # it writes its indexers every --checkpoint-minutes) into $RUN/fit, continuing from the packaged indexers;
 # --max-minutes decides its length (--steps 1000000 unless given: the sparse stage is a share of the time).
 # needle: `dsa needle` in the foreground for --max-minutes ${MINUTES:-8.5}, appending to $RUN/needle/needle.jsonl;
-# the same call again continues; a fresh machine resumes from a carried `.xfer/needle.jsonl`. INDEXERS=DIR
+# the same call again continues; a fresh machine resumes from a carried `.xfer/needle.jsonl` (the main grid) or
+# `.xfer/needle-TEXT.jsonl` (TEXT's grid). INDEXERS=DIR
 # chooses the fitted rule's indexers (default: the fit's, else the packaged ones); TEXT=heldout-shakespeare
 # runs the held-out check into $RUN/needle-heldout-shakespeare. collect names each results file after its folder
-# (needle.jsonl for the main grid): carry it back as .xfer/needle.jsonl for the grid it belongs to.
+# (needle.jsonl for the main grid, needle-TEXT.jsonl for TEXT's): carried back under .xfer/ by the same name.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 XFER=${XFER:-/tmp/xfer} DATA=${DATA:-/tmp/retrieval-data} RUN=${RUN:-/tmp/retrieval-run} SITE=${SITE:-/tmp/retrieval-site}
@@ -97,9 +98,9 @@ wait)
     done
     tail -c 3000 "$RUN/fit.log" | tr '\r' '\n' | grep -v "^$" | tail -8 ;;
 recall)
-    name=${2:?recall NAME [INDEXERS [RECALL_ARGS...]]} idx=${3:-$(fitted)}
+    name=${2:?recall NAME [INDEXERS [RECALL_ARGS...]]} idx=${3:-$(fitted)}  # TEXT= as for needle
     shift $(($# < 3 ? $# : 3)); prepare
-    $py -m dsa recall --teacher "$DATA"/*.gguf --indexers "$idx" --text "$DATA"/heldout/*.npy --context 8192 \
+    $py -m dsa recall --teacher "$DATA"/*.gguf --indexers "$idx" --text "$DATA/${TEXT:-heldout}"/*.npy --context 8192 \
         --windows 1 --copy-seqs 32 --passkey-seqs 32 --topk 64,512 --sparse-loss --out "$RUN/recall-$name" "$@" \
         2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$" | tail -40 ;;
 needle)
@@ -107,7 +108,8 @@ needle)
     idx=${INDEXERS:-$(fitted)}
     text=${TEXT:-heldout} out=$RUN/needle${TEXT:+-$TEXT}
     mkdir -p "$out"
-    if [ -f .xfer/needle.jsonl ] && [ ! -f "$out/needle.jsonl" ]; then cp .xfer/needle.jsonl "$out/"; fi
+    carried=.xfer/needle${TEXT:+-$TEXT}.jsonl  # what collect named this grid's results
+    if [ -f "$carried" ] && [ ! -f "$out/needle.jsonl" ]; then cp "$carried" "$out/needle.jsonl"; fi
     set +e
     $py -m dsa needle --gguf "$DATA"/*.gguf --indexers "$idx" --text "$DATA/$text"/*.npy --out "$out" \
         --max-minutes "${MINUTES:-8.5}" "$@" 2>&1 | tee -a "$RUN/needle.log" | grep -v "dsa needle: *[0-9]*%"
