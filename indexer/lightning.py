@@ -9,11 +9,9 @@ Math (DeepSeek-V3.2 and its reference inference code), from the attention input 
     exact: keys kept unquantized, no Hadamard; weights = w * HI**-0.5 * DI**-0.5
     logit[t, s] = k_scale[s] * sum_h weights[t, h] * relu(q[t, h] . k[s])
 
-Decode rows are scored by paged logits over their block tables and go to ``topk_slots``; FP8 prefill
-rows are scored against their request's gathered keys by ``indexer_topk_ragged``, which streams the
-logits into the top-k (no ``[rows, keys]`` logits; the same slots as ragged logits then ``topk_slots``,
-bit for bit); exact-precision prefill rows take ragged logits in chunks, then ``topk_slots``. The tie
-rule makes each row's selection a function of that row alone.
+Decode rows are scored by paged logits over their block tables, prefill rows by ragged logits
+over their request's gathered keys; both go to ``topk_slots``, whose tie rule makes each row's
+selection a function of that row alone.
 """
 import torch
 import torch.nn.functional as F
@@ -21,21 +19,13 @@ from torch import nn
 
 from dsa.cache import IndexerKeyCache, gather_indexer_keys, write_indexer_keys
 from dsa.config import DSAConfig
-from dsa.kernels import (
-    indexer_logits_paged,
-    indexer_logits_ragged,
-    indexer_query_prep,
-    indexer_topk_ragged,
-    rope_rotate,
-    topk_slots,
-)
+from dsa.kernels import indexer_logits_paged, indexer_logits_ragged, indexer_query_prep, rope_rotate, topk_slots
 from dsa.kernels.common import cdiv
 from dsa.kernels.indexer_query_prep import weight_scale
 
 from .batch import IndexerBatch, Selection
 
-RAGGED_CHUNK_ELEMS = 1 << 26  # exact precision: rows x keys per ragged logits call (256 MiB of fp32 logits)
-STREAM_ROWS = 4096  # FP8: rows per streamed top-k call (its workspace: 128 MiB at k = 2048, at any context)
+RAGGED_CHUNK_ELEMS = 1 << 26  # rows x keys per ragged logits call (256 MiB of fp32 logits)
 
 
 class LightningIndexer(nn.Module):
@@ -118,16 +108,10 @@ class LightningIndexer(nn.Module):
         for seg in batch.prefill:
             # [S, DI] keys of positions 0 .. S-1, sized on the host
             keys, k_scale = gather_indexer_keys(cache, seg.block_table, seg.seq_len, total=seg.num_keys)
-            # FP8: logits streamed into the top-k (no [rows, keys] logits); exact: logits in chunks, then top-k
-            step = STREAM_ROWS if not exact else max(1, RAGGED_CHUNK_ELEMS // max(1, seg.num_keys))
+            step = max(1, RAGGED_CHUNK_ELEMS // max(1, seg.num_keys))
             for r0 in range(seg.row0, seg.row1, step):
                 r1 = min(seg.row1, r0 + step)
-                valid, zeros = seg.valid_lens[r0 - seg.row0:r1 - seg.row0], batch.zeros[r0:r1]  # zeros: row_to_req
-                if not exact:
-                    prefill.append(indexer_topk_ragged(q[r0:r1], weights[r0:r1], keys, k_scale, zeros, valid, k,
-                                                       block_table=seg.block_table, row_to_req=zeros,
-                                                       seq_lens=seg.seq_len, block_size=cache.block_size))
-                    continue
-                logits = indexer_logits_ragged(q[r0:r1], weights[r0:r1], keys, k_scale, zeros, valid)
-                prefill.append(topk_slots(logits, valid, k, seg.block_table, zeros, seg.seq_len, cache.block_size))
+                valid, starts = seg.valid_lens[r0 - seg.row0:r1 - seg.row0], batch.zeros[r0:r1]
+                logits = indexer_logits_ragged(q[r0:r1], weights[r0:r1], keys, k_scale, starts, valid)
+                prefill.append(topk_slots(logits, valid, k, seg.block_table, starts, seg.seq_len, cache.block_size))
         return Selection(decode, torch.cat(prefill) if prefill else None)

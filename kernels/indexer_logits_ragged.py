@@ -27,79 +27,6 @@ def indexer_logits_ragged_reference(q8, weights, k8, k_scale, starts, ends):
     return logits
 
 
-@triton.jit
-def query_tile(q_ptr, w_ptr, t0, num_tokens, HI: tl.constexpr, HI_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-               D: tl.constexpr):
-    """The queries of tokens ``t0 .. t0 + BLOCK_T - 1``, all their heads: ``(q_t [D, M] e4m3, w [M] fp32)``
-    with ``M = BLOCK_T * HI_PAD`` (the dot's N dim, K-contiguous), zeros past the tokens and heads."""
-    M: tl.constexpr = BLOCK_T * HI_PAD
-    m = tl.arange(0, M)
-    tq, h = t0 + m // HI_PAD, m % HI_PAD
-    q_ok = (tq < num_tokens) & (h < HI)
-    q_row = tq * HI + h  # [M] int64
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + q_row[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0)  # [M, D] e4m3
-    w = tl.load(w_ptr + q_row, mask=q_ok, other=0.0)  # [M] fp32
-    return tl.trans(q), w
-
-
-@triton.jit
-def token_ranges(starts_ptr, ends_ptr, t0, num_tokens, num_keys, BLOCK_T: tl.constexpr):
-    """``(t, t_ok, start, end)`` of tokens ``t0 .. t0 + BLOCK_T - 1`` (``[BLOCK_T]``; past the tokens an
-    empty range ``[num_keys, 0)``)."""
-    t = t0 + tl.arange(0, BLOCK_T)
-    t_ok = t < num_tokens
-    start = tl.load(starts_ptr + t, mask=t_ok, other=num_keys)
-    end = tl.load(ends_ptr + t, mask=t_ok, other=0)
-    return t, t_ok, start, end
-
-
-@triton.jit
-def scored_tiles(s_begin, s_end, lo, hi, BLOCK_S: tl.constexpr):
-    """``(c_begin, c_tiles)``: the tiles of ``[s_begin, s_end)`` (tile-aligned from ``s_begin``) that
-    meet the keys ``[lo, hi)`` some row scores."""
-    c_begin = tl.minimum(tl.maximum(s_begin, tl.maximum(lo, 0) // BLOCK_S * BLOCK_S), s_end)
-    c_tiles = tl.cdiv(tl.maximum(tl.minimum(s_end, hi), c_begin) - c_begin, BLOCK_S)
-    return c_begin, c_tiles
-
-
-@triton.jit
-def first_scales(ks_ptr, c_begin, num_keys, BLOCK_S: tl.constexpr, TMA: tl.constexpr):
-    """The scales of the first scored tile, prefetched (pointer loads; unused with TMA)."""
-    pos = c_begin + tl.arange(0, BLOCK_S)
-    if TMA:
-        return tl.zeros([BLOCK_S], tl.float32)
-    return tl.load(ks_ptr + pos, mask=pos < num_keys, other=0.0)
-
-
-@triton.jit
-def key_tile(k_ptr, ks_ptr, s0, num_keys, k_scale_next, D: tl.constexpr, BLOCK_S: tl.constexpr,
-             TMA: tl.constexpr):
-    """``(k [BLOCK_S, D] e4m3, k_scale [BLOCK_S] fp32, the next tile's scales)`` of the tile at key
-    ``s0``. Key scales are prefetched one tile ahead (Triton pipelines only the loads that feed the
-    dot). TMA: ``k_ptr`` and ``ks_ptr`` are descriptors of k8 ``[S, D]`` and k_scale ``[S]`` (zeros past
-    S, as the masked loads)."""
-    if TMA:
-        k = k_ptr.load([s0, 0])  # [BLOCK_S, D] e4m3
-        k_scale = ks_ptr.load([s0])  # [BLOCK_S] fp32
-    else:
-        pos = s0 + tl.arange(0, BLOCK_S)
-        d = tl.arange(0, D)
-        k = tl.load(k_ptr + pos[:, None].to(tl.int64) * D + d[None, :], mask=(pos < num_keys)[:, None], other=0.0)
-        k_scale = k_scale_next
-        k_scale_next = tl.load(ks_ptr + pos + BLOCK_S, mask=pos + BLOCK_S < num_keys, other=0.0)
-    return k, k_scale, k_scale_next
-
-
-@triton.jit
-def tile_logits(k, q_t, w, k_scale, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, HI_PAD: tl.constexpr):
-    """``[BLOCK_S, BLOCK_T]`` fp32 ``sum_h w[t, h] * relu(q[t, h] . k[s]) * k_scale[s]``: one FP8 dot
-    of the keys (its M dim) against every head of the tile's tokens (its N dim)."""
-    score = tl.dot(k, q_t)  # [BLOCK_S, M] fp32
-    score = tl.maximum(score, 0.0) * w[None, :]
-    return tl.sum(tl.reshape(score, [BLOCK_S, BLOCK_T, HI_PAD]), axis=2) * k_scale[:, None]
-
-
 @triton.jit(do_not_specialize=["num_tokens", "num_keys", "tiles_per_prog"],
             do_not_specialize_on_alignment=["w_ptr", "starts_ptr", "ends_ptr"])
 def _indexer_logits_ragged_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, starts_ptr, ends_ptr, out_ptr, num_tokens,
@@ -108,26 +35,50 @@ def _indexer_logits_ragged_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, starts_ptr, ends_
                                   STAGES: tl.constexpr):
     # program (t tile, split): BLOCK_T query tokens (all their heads: the dot's N dim) against key
     # tiles [split * tiles_per_prog, ...) of BLOCK_S keys (its M dim); tiles outside every row's
-    # [start, end) are written as -inf without being scored.
+    # [start, end) are written as -inf without being scored. TMA: k_ptr and ks_ptr are descriptors
+    # of k8 [S, D] and k_scale [S] (zeros past S, as the masked loads).
+    M: tl.constexpr = BLOCK_T * HI_PAD
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
-    q_t, w = query_tile(q_ptr, w_ptr, t0, num_tokens, HI, HI_PAD, BLOCK_T, D)
-    t, t_ok, start, end = token_ranges(starts_ptr, ends_ptr, t0, num_tokens, num_keys, BLOCK_T)
-    lo = tl.min(start, axis=0)
+    m = tl.arange(0, M)
+    tq, h = t0 + m // HI_PAD, m % HI_PAD
+    q_ok = (tq < num_tokens) & (h < HI)
+    q_row = tq * HI + h  # [M] int64
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + q_row[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0)  # [M, D] e4m3
+    w = tl.load(w_ptr + q_row, mask=q_ok, other=0.0)  # [M] fp32
+    q_t = tl.trans(q)  # [D, M], K-contiguous
+    t = t0 + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    t_ok = t < num_tokens
+    start = tl.load(starts_ptr + t, mask=t_ok, other=num_keys)
+    end = tl.load(ends_ptr + t, mask=t_ok, other=0)
+    lo = tl.maximum(tl.min(start, axis=0), 0)
     hi = tl.minimum(tl.max(end, axis=0), num_keys)
     out_row = t * num_keys  # [BLOCK_T] int64
     s_begin = tl.program_id(1) * tiles_per_prog * BLOCK_S
     s_end = tl.minimum(s_begin + tiles_per_prog * BLOCK_S, num_keys)
-    c_begin, c_tiles = scored_tiles(s_begin, s_end, lo, hi, BLOCK_S)
+    c_begin = tl.minimum(tl.maximum(s_begin, lo // BLOCK_S * BLOCK_S), s_end)  # tile-aligned
+    c_tiles = tl.cdiv(tl.maximum(tl.minimum(s_end, hi), c_begin) - c_begin, BLOCK_S)
     minus_inf = tl.full([BLOCK_S, BLOCK_T], float("-inf"), tl.float32)
     for tile in range(0, (c_begin - s_begin) // BLOCK_S):
         pos = s_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)
         tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=t_ok[None, :] & (pos < s_end)[:, None])
-    k_scale_next = first_scales(ks_ptr, c_begin, num_keys, BLOCK_S, TMA)
+    # key scales are prefetched one tile ahead (Triton pipelines only the loads that feed the dot)
+    pos_next = c_begin + tl.arange(0, BLOCK_S)
+    if not TMA:
+        k_scale_next = tl.load(ks_ptr + pos_next, mask=pos_next < num_keys, other=0.0)
     for tile in tl.range(0, c_tiles, num_stages=STAGES):
         pos = c_begin + tile * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S]
-        k, k_scale, k_scale_next = key_tile(k_ptr, ks_ptr, c_begin + tile * BLOCK_S, num_keys, k_scale_next, D,
-                                            BLOCK_S, TMA)
-        logit = tile_logits(k, q_t, w, k_scale, BLOCK_S, BLOCK_T, HI_PAD)  # [BLOCK_S, BLOCK_T]
+        if TMA:
+            k = k_ptr.load([c_begin + tile * BLOCK_S, 0])  # [BLOCK_S, D] e4m3
+            k_scale = ks_ptr.load([c_begin + tile * BLOCK_S])  # [BLOCK_S] fp32
+        else:
+            k = tl.load(k_ptr + pos[:, None].to(tl.int64) * D + d[None, :], mask=(pos < num_keys)[:, None], other=0.0)
+            k_scale = k_scale_next  # [BLOCK_S] fp32
+            pos_next += BLOCK_S
+            k_scale_next = tl.load(ks_ptr + pos_next, mask=pos_next < num_keys, other=0.0)
+        score = tl.dot(k, q_t)  # [BLOCK_S, M] fp32
+        score = tl.maximum(score, 0.0) * w[None, :]
+        logit = tl.sum(tl.reshape(score, [BLOCK_S, BLOCK_T, HI_PAD]), axis=2) * k_scale[:, None]  # [BLOCK_S, BLOCK_T]
         inside = (pos[:, None] >= start[None, :]) & (pos[:, None] < end[None, :])
         logit = tl.where(inside, logit, float("-inf"))
         tl.store(out_ptr + out_row[None, :] + pos[:, None], logit, mask=t_ok[None, :] & (pos < s_end)[:, None])

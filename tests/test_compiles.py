@@ -35,10 +35,6 @@ ENTRY_KERNELS = {
         fixed=set(), tables={"w_ptr", "table_ptr", "lens_ptr"}),
     ("indexer_logits_ragged", "_indexer_logits_ragged_kernel"): dict(
         fixed=set(), tables={"w_ptr", "starts_ptr", "ends_ptr"}),
-    ("indexer_topk_ragged", "_stream_kernel"): dict(
-        fixed={"k", "CAP"}, tables={"w_ptr", "starts_ptr", "ends_ptr"}),
-    ("indexer_topk_ragged", "_stream_finish_kernel"): dict(
-        fixed={"P", "k", "CAP"}, tables={"starts_ptr", "ends_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"}),
     ("indexer_query_prep", "_indexer_query_prep_kernel"): dict(
         fixed={"folded", "hadamard_scale"}, tables=set()),
     ("latent_write", "_latent_write_kernel"): dict(

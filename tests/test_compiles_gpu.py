@@ -81,14 +81,8 @@ def _step(caches, rng: random.Random, b: int, t: int, width: int, s: int):
     ends = torch.randint(0, s + 1, (t,), device=DEV, generator=g, dtype=torch.int32)
     starts = torch.minimum(torch.randint(0, s + 1, (t,), device=DEV, generator=g, dtype=torch.int32), ends)
     starts_v, ends_v = _view(starts, rng), _view(ends, rng)
-    k8, k_scale = _fp8(s, DI), torch.rand(s, device=DEV)
-    ragged = K.indexer_logits_ragged(q8_all[r0:], w_all[r0:], k8, k_scale, starts_v, ends_v)
+    ragged = K.indexer_logits_ragged(q8_all[r0:], w_all[r0:], _fp8(s, DI), torch.rand(s, device=DEV), starts_v, ends_v)
     K.topk_indices(ragged, ends_v - starts_v, TOPK, starts_v)
-    # the streamed prefill top-k, as positions and as slots (the model's call: zeros as row_to_req, one table row)
-    K.indexer_topk_ragged(q8_all[r0:], w_all[r0:], k8, k_scale, starts_v, ends_v, TOPK)
-    zeros = _view(torch.zeros(t, dtype=torch.int32, device=DEV), rng)
-    K.indexer_topk_ragged(q8_all[r0:], w_all[r0:], k8, k_scale, zeros, ends_v, TOPK, block_table=table_v[:1],
-                          row_to_req=zeros, seq_lens=seq_v[:1], block_size=P)
 
     # attention: latent write, sparse MLA over TOPK slots, dense absorbed decode; both kernels, both caches
     for name in ("latent_bf16", "latent_fp8"):

@@ -1,20 +1,16 @@
 """``dsa bench indexer``: key write, query prep, paged decode logits, the decode indexer step
-(logits + top-k to slots), ragged prefill logits, and the prefill indexer step to slots: streamed
-(``indexer_topk_ragged``, no logits written) against chunked (ragged logits + ``topk_slots``) at 64K,
-256K and 1M keys.
+(logits + top-k to slots), ragged prefill logits.
 
 Each Triton row is checked against the torch reference on the same inputs before it is timed
 (logits: ``calc_diff < 1e-6`` over finite entries and identical ``-inf`` masks; key write and
 query prep: equal bytes). Decode rows are timed eagerly and replayed from a CUDA graph
 (``+graph``). Targets (issue #16, H200) are recorded as ``target_us``. ``--variants`` adds the
-Triton launchers' tuning knobs (the streamed top-k's too), each row checked bit for bit against the
-default launch.
+Triton launchers' tuning knobs, each row checked bit for bit against the default launch.
 """
 import json
 
 import torch
 
-from dsa.indexer.lightning import RAGGED_CHUNK_ELEMS
 from dsa.kernels import (
     indexer_key_write,
     indexer_key_write_reference,
@@ -24,10 +20,8 @@ from dsa.kernels import (
     indexer_logits_ragged_reference,
     indexer_query_prep,
     indexer_query_prep_reference,
-    indexer_topk_ragged,
     topk_slots,
 )
-from dsa.kernels.common import cdiv
 from dsa.testing import calc_diff, random_block_tables
 
 from .harness import result_row
@@ -159,42 +153,6 @@ def bench_paged(device, timer, ceilings, b: int, n: int, s: int) -> list:
     return rows
 
 
-def chunked_prefill(q8, w, k8, k_scale, starts, ends, slots) -> list:
-    """The prefill indexer before streaming: ragged logits of ``RAGGED_CHUNK_ELEMS // S`` rows at a time
-    (``[rows, S]`` fp32 written, then read back), ``topk_slots`` of each chunk."""
-    table, row_to_req, seq_lens = slots
-    step = max(1, RAGGED_CHUNK_ELEMS // max(1, k8.shape[0]))
-    return [topk_slots(indexer_logits_ragged(q8[r0:r0 + step], w[r0:r0 + step], k8, k_scale, starts[r0:r0 + step],
-                                             ends[r0:r0 + step]), ends[r0:r0 + step], K, table,
-                       row_to_req[r0:r0 + step], seq_lens, P)
-            for r0 in range(0, q8.shape[0], step)]
-
-
-def bench_stream(device, timer, ceilings, t: int, s: int, reps: int = 10) -> list:
-    """The prefill indexer step of ``t`` rows on top of ``s - t`` cached keys (the causal tail), to
-    slots: streamed (``indexer_topk_ragged``: no logits written) and chunked (ragged logits +
-    ``topk_slots``), each checked bit for bit against the other, timed eagerly and replayed from a
-    CUDA graph. TFLOP/s: the rows' scored pairs x HI x DI x 2, against the same-run FP8 ceiling."""
-    q8, w, k8, k_scale, starts, ends = ragged_inputs(t, s, device)
-    table = torch.arange(cdiv(s, P), dtype=torch.int32, device=device)[None]
-    row_to_req = torch.zeros(t, dtype=torch.int32, device=device)
-    seq_lens = torch.tensor([s], dtype=torch.int32, device=device)
-    stream = lambda: indexer_topk_ragged(q8, w, k8, k_scale, starts, ends, K, block_table=table,  # noqa: E731
-                                         row_to_req=row_to_req, seq_lens=seq_lens, block_size=P)
-    chunked = lambda: chunked_prefill(q8, w, k8, k_scale, starts, ends, (table, row_to_req, seq_lens))  # noqa: E731
-    if not torch.equal(stream(), torch.cat(chunked())):
-        raise RuntimeError(f"indexer_topk_ragged: slots differ from the chunked path at T={t} S={s}")
-    flops = 2 * HI * DI * int((ends - starts).sum())
-    shape = dict(T=t, S=s, HI=HI, k=K, ranges="causal tail")
-    rows = []
-    for impl, fn, written in (("stream", stream, 0), ("chunked", chunked, t * s * 4)):
-        for graph in (False, True):
-            rows.append(result_row("indexer_prefill_topk", impl + ("+graph" if graph else ""), shape,
-                                   timer(fn, reps, graph=graph), ceilings, flops=flops, bound="fp8",
-                                   logits_bytes_written=written))
-    return rows
-
-
 def run(device, timer, ceilings, args) -> list:
     rows = []
     for t in ([8192] if args.quick else [64, 8192]):
@@ -204,8 +162,6 @@ def run(device, timer, ceilings, args) -> list:
     for b, n, s in shapes:
         rows += bench_paged(device, timer, ceilings, b, n, s)
     rows.append(bench_ragged(device, timer, ceilings, 4096, 65536))
-    for t, s in [(4096, 65536)] if args.quick else [(4096, 65536), (4096, 262144), (4096, 1 << 20)]:
-        rows += bench_stream(device, timer, ceilings, t, s, reps=10 if s <= 262144 else 3)
     if getattr(args, "variants", False):
         rows += bench_variants(device, timer, ceilings)
     return rows
@@ -223,10 +179,6 @@ RAGGED_VARIANTS = [
     dict(), dict(tma=True), dict(tma=True, stages=4), dict(stages=4), dict(num_warps=8), dict(block_t=2),
     dict(block_t=2, tma=True, stages=4), dict(block_s=128, block_t=2, num_warps=8, tma=True),
 ]
-
-STREAM_VARIANTS = [dict(), dict(tma=True), dict(stages=4), dict(tma=True, stages=4), dict(stages=2),
-                   dict(cap=4 * K), dict(waves=1), dict(waves=4), dict(maxnreg=128), dict(maxnreg=168),
-                   dict(maxnreg=128, tma=True)]
 
 
 def _knobs(kw: dict) -> str:
@@ -280,12 +232,4 @@ def bench_variants(device, timer, ceilings, shapes=((64, 1, 65536), (64, 1, 1310
         _variant_row(rows, timer, ceilings, "indexer_logits_ragged", kw, fn, shape,
                      dict(bytes_moved=t * s * 4 + s * (DI + 4) + t * HI * (DI + 4), flops=flops, bound="fp8"),
                      dict(bitwise_default=default), reps=10, emit=emit)
-    del default
-    from dsa.kernels.indexer_topk_ragged import _indexer_topk_ragged_triton
-    default = _indexer_topk_ragged_triton(q8, w, k8, k_scale, starts, ends, K)
-    for kw in STREAM_VARIANTS:
-        fn = lambda: _indexer_topk_ragged_triton(q8, w, k8, k_scale, starts, ends, K, **kw)  # noqa: E731
-        _variant_row(rows, timer, ceilings, "indexer_topk_ragged", kw, fn, dict(T=t, S=s, HI=HI, k=K),
-                     dict(flops=flops, bound="fp8", logits_bytes_written=0), dict(bitwise_default=default), reps=10,
-                     emit=emit)
     return rows

@@ -34,7 +34,7 @@ def pick_digit(h, rem):
 
 
 @triton.jit
-def guess_from_sample(u, n, k, SAMPLE: tl.constexpr, Z: tl.constexpr):
+def _guess_from_sample(u, n, k, SAMPLE: tl.constexpr, Z: tl.constexpr):
     """``(lo, shift)`` from a sample's keys ``u [SAMPLE]`` (``key_of ^ INT_MIN``: bits in unsigned
     order) of a row of ``n`` columns: ``lo`` the 16-bit prefix floor of the sample's
     ``m + Z sqrt(m) + 2``-th largest (``m = k * SAMPLE / n``, the sample's expected count at or above
@@ -65,8 +65,8 @@ def guess_from_sample(u, n, k, SAMPLE: tl.constexpr, Z: tl.constexpr):
 
 @triton.jit
 def guess_row(row_l, n, k, SAMPLE: tl.constexpr, SEG: tl.constexpr, Z: tl.constexpr):
-    """``(lo, shift)`` of a logits row of ``n`` columns at ``row_l`` (see ``guess_from_sample``)."""
+    """``(lo, shift)`` of a logits row of ``n`` columns at ``row_l`` (see ``_guess_from_sample``)."""
     i = tl.arange(0, SAMPLE)
     pos = tl.minimum((i // SEG).to(tl.int64) * n // (SAMPLE // SEG) + i % SEG, n - 1)
     u = key_of(tl.load(row_l + pos)) ^ INT_MIN
-    return guess_from_sample(u, n, k, SAMPLE, Z)
+    return _guess_from_sample(u, n, k, SAMPLE, Z)

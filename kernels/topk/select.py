@@ -62,33 +62,13 @@ def select_tile(e, m, need, out_base, base, top, prefix, out_row, bt_row, seq_le
 
 
 @triton.jit
-def kth_value(lst, n, need, base, top, prefix, LBLOCK: tl.constexpr):
-    """``(t, rem)``: the value ``v = key - base`` of the ``need``-th best of the ``n`` list entries
-    (values in ``[0, 2**32)`` equal to ``prefix`` above bit ``top``), found 8 bits at a time from bit
-    ``top`` down by a pass over the list per digit, and how many entries equal to it the ``need``
-    best hold."""
-    rem = need
-    hi_bit = top
-    idx = tl.arange(0, LBLOCK)
-    while hi_bit > 0:
-        lo_bit = tl.maximum(hi_bit - 8, 0)
-        h = tl.zeros([256], tl.int32)
-        for j in range(0, n, LBLOCK):
-            m = j + idx < n
-            v = (tl.load(lst + j + idx, mask=m, other=0, cache_modifier=".cg") >> 32) - base
-            h += tl.histogram(_digit(v, hi_bit, lo_bit), 256, mask=m & ((v >> hi_bit) == prefix))
-        d, rem = pick_digit(h, rem)
-        prefix = (prefix << (hi_bit - lo_bit)) | d
-        hi_bit = lo_bit
-    return prefix, rem
-
-
-@triton.jit
 def _select(lst, n, need, out_base, base, top, prefix, out_row, bt_row, seq_len, MB, P,
             SLOTS: tl.constexpr, SBLOCK: tl.constexpr, LBLOCK: tl.constexpr):
     """Write the ``need`` best of the ``n`` list entries (``key << 32 | column``, in column order) at
     ``out[out_base:]``. Values ``v = key - base`` in ``[0, 2**32)``, equal to ``prefix`` above bit
     ``top``; the value ``t`` of the need-th best is found 8 bits at a time from bit ``top`` down."""
+    rem = need
+    hi_bit = top
     if n <= SBLOCK:  # the list in registers
         sidx = tl.arange(0, SBLOCK)
         m = sidx < n
@@ -96,7 +76,16 @@ def _select(lst, n, need, out_base, base, top, prefix, out_row, bt_row, seq_len,
                     out_row, bt_row, seq_len, MB, P, SLOTS)
     else:
         idx = tl.arange(0, LBLOCK)
-        prefix, rem = kth_value(lst, n, need, base, top, prefix, LBLOCK)
+        while hi_bit > 0:
+            lo_bit = tl.maximum(hi_bit - 8, 0)
+            h = tl.zeros([256], tl.int32)
+            for j in range(0, n, LBLOCK):
+                m = j + idx < n
+                v = (tl.load(lst + j + idx, mask=m, other=0, cache_modifier=".cg") >> 32) - base
+                h += tl.histogram(_digit(v, hi_bit, lo_bit), 256, mask=m & ((v >> hi_bit) == prefix))
+            d, rem = pick_digit(h, rem)
+            prefix = (prefix << (hi_bit - lo_bit)) | d
+            hi_bit = lo_bit
         n_gt = 0
         n_eq = 0
         for j in range(0, n, LBLOCK):
