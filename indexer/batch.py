@@ -10,17 +10,21 @@ import torch
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """The step's decode rows (one new token per request): with an indexer served by top-k +
-    sparse MLA, without one by the dense absorbed decode.
+    """The step's decode rows, ``N`` (next_n) per request: one new token each in plain decode, a
+    verify step's N + 1 rows (padded in front: ``dsa.model.plan``); with an indexer served by top-k +
+    sparse MLA, without one by the dense absorbed decode. Row ``j`` of a request of ``S`` tokens
+    sees positions ``[0, S - N + j]``.
 
     ``rows`` indexes the step's rows (a slice when they are contiguous, as in decode-only steps);
-    row ``i`` of the views below belongs to the request whose blocks are ``block_table[i]``.
+    row ``b * N + j`` of the views below belongs to the request whose blocks are ``block_table[b]``.
     """
-    rows: slice | torch.Tensor  # R rows of the step; a tensor is [R] int64
+    rows: slice | torch.Tensor  # R * N rows of the step; a tensor is [R * N] int64
     block_table: torch.Tensor  # [R, MB] int32
-    seq_lens: torch.Tensor  # [R] int32, S of each row's request (0 for a padding row: nothing visible)
-    row_ids: torch.Tensor  # [R] int32, arange(R): row i reads block_table[i]
+    seq_lens: torch.Tensor  # [R] int32, S of each request (0 for a padding request: nothing visible)
+    row_ids: torch.Tensor  # [R * N] int32, b for row b * N + j: the row reads block_table[b]
     max_seq_len: int  # host: an upper bound of seq_lens, the width of the paged logits
+    next_n: int  # host: N, rows per request
+    lengths: torch.Tensor  # [R * N] int32, positions each row sees: max(0, S - N + j + 1) (N = 1: seq_lens)
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class IndexerBatch:
     positions: torch.Tensor  # [T] int32, request-local
     slot_mapping: torch.Tensor  # [T] int32, where each row's key is written (-1: nowhere)
     decode: DecodeRows | None  # the decode rows to score (None: no decode rows, or every_position is their top-k)
-    every_position: torch.Tensor | None  # [R, K] int32 slots of positions 0 .. K-1 (-1 past S): the decode
+    every_position: torch.Tensor | None  # [R * N, K] int32 slots of positions 0 .. K-1 (-1 past each row's): the decode
     # rows' top-k when every context of the step fits in K (the plan's Route.every_position)
     prefill: tuple  # PrefillRows of the sparse prefill rows, in row order
     zeros: torch.Tensor | None  # [T] int32 zeros, ragged logits' range starts (None: no sparse or MHA prefill rows)

@@ -100,10 +100,12 @@ class LightningIndexer(nn.Module):
         else:
             q, weights = indexer_query_prep(q, w, c.indexer_hadamard)
         decode = batch.every_position
-        if d is not None:
-            logits = indexer_logits_paged(q[d.rows].unsqueeze(1), weights[d.rows].unsqueeze(1), cache.data,
-                                          d.block_table, d.seq_lens, cache.block_size, max_seq_len=d.max_seq_len)
-            decode = topk_slots(logits, d.seq_lens, k, d.block_table, d.row_ids, d.seq_lens, cache.block_size)
+        if d is not None:  # [R * N] rows: N query rows per request, each key read once for all of them
+            n = d.next_n
+            logits = indexer_logits_paged(q[d.rows].unflatten(0, (-1, n)), weights[d.rows].unflatten(0, (-1, n)),
+                                          cache.data, d.block_table, d.seq_lens, cache.block_size,
+                                          max_seq_len=d.max_seq_len)
+            decode = topk_slots(logits, d.lengths, k, d.block_table, d.row_ids, d.seq_lens, cache.block_size)
         prefill = []
         for seg in batch.prefill:
             # [S, DI] keys of positions 0 .. S-1, sized on the host

@@ -12,3 +12,16 @@ def tiny_model(seed: int = 0, dtype=torch.float32, **overrides) -> DSAModel:
 
 def prompt(n: int, seed: int, vocab: int = 512) -> list:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def sharp_model(config, seed: int) -> DSAModel:
+    """Random float32 weights with the projections scaled up 8x: at HF's init a tiny model repeats one
+    token and attends almost uniformly, which would hide a row read one position off; these do not."""
+    m = DSAModel.random(config, seed=seed, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(8)
+        for layer in m.all_layers():
+            layer.self_attn.absorb()
+    return m

@@ -1,9 +1,12 @@
 """Decode steps replayed from CUDA graphs (marker ``gpu``): bitwise the eager step at the same padded
-shapes, no host sync inside a step, the same tokens as the eager engine."""
+shapes, no host sync inside a step, the same tokens as the eager engine. The same for the verify steps
+of speculative decoding (#39): the decode path with next_n = N + 1 rows, one graph per Bucket(rows,
+context, next_n)."""
 import pytest
 import torch
 
 from dsa import DSAConfig, DSAModel, Engine
+from dsa.engine.drafter import ScriptedDrafter
 from dsa.model.plan import Bucket, HostPlan
 from dsa.model.route import batch_bucket, context_bucket
 
@@ -96,3 +99,88 @@ def test_warmup_captures_every_decode_bucket_and_later_steps_only_replay(model):
     captured = dict(engine.runner.graphs)
     out = engine.generate([_prompts()[0]], 5)[0]
     assert len(out) == 5 and engine.stats.graph_steps == 4 and engine.runner.graphs == captured
+
+
+def _scripted(model, prompts, outputs, n):
+    """Drafts: the eager engine's own tokens, draft j of proposal c wrong when j == c % (N + 1)."""
+    def propose(tokens, k):
+        for p, out in zip(prompts, outputs):
+            if tokens[:len(p)] == p:
+                done = len(tokens) - len(p)
+                return (list(out) + [0] * k)[done:done + k]
+        raise AssertionError("no prompt starts the tokens")
+    return ScriptedDrafter(propose, n, model.config.vocab_size, wrong=lambda count, j: j == count % (n + 1))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3], ids=lambda n: f"N{n}")
+def test_verify_steps_replay_graphs_keyed_by_next_n(model, n):
+    """A speculating engine replays its verify steps (one request: the bucket of 1 row is the eager
+    shape) and gives the eager speculating engine's tokens (bf16: the same kernels, so the same rows;
+    against the plain engine only fp32 is exact, as the CPU tests check); every graph is keyed by
+    next_n = N + 1."""
+    p = [_prompts()[1]]
+    ref = Engine(model, num_blocks=16, cuda_graphs=False).generate(p, 12)
+    eager = Engine(model, num_blocks=16, cuda_graphs=False, speculative_tokens=n, drafter=_scripted(model, p, ref, n))
+    graph = Engine(model, num_blocks=16, speculative_tokens=n, drafter=_scripted(model, p, ref, n))
+    assert graph.runner.use_graphs and graph.generate(p, 12) == eager.generate(p, 12)
+    assert graph.stats.graph_steps == graph.stats.steps - 1  # every step after the prefill
+    assert graph.runner.graphs and all(k.next_n == n + 1 for k in graph.runner.graphs)
+
+
+def test_verify_replay_is_bitwise_the_eager_step_at_the_same_padded_shapes(model, monkeypatch):
+    """Each replayed verify step of three requests (bucket 4, one padding request) against the eager
+    forward of the same packed plan (writing the same cache rows again)."""
+    prompts, n = _prompts(), 2
+    ref = Engine(model, num_blocks=64, cuda_graphs=False).generate(prompts, 8)
+    engine = Engine(model, num_blocks=64, speculative_tokens=n, drafter=_scripted(model, prompts, ref, n))
+    runner, checked = engine.runner, []
+    verify = runner.run_verify
+
+    def checking(out, drafts, hidden=False):
+        result = verify(out, drafts, hidden)
+        if result.graph:
+            got = result.logits.clone()
+            eager, _ = runner._forward(result.plan, True)
+            checked.append(torch.equal(got.flatten(0, 1), eager[:got.shape[0] * got.shape[1]]))
+        return result
+
+    monkeypatch.setattr(runner, "run_verify", checking)
+    engine.generate(prompts, 8)
+    assert checked and all(checked), checked
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
+def test_no_host_sync_inside_a_verify_step(model, monkeypatch, graphs):
+    p, n = [_prompts()[0]], 2
+    ref = Engine(model, num_blocks=16, cuda_graphs=False).generate(p, 10)
+    engine = Engine(model, num_blocks=16, cuda_graphs=graphs, speculative_tokens=n, drafter=_scripted(model, p, ref, n))
+    runner, results = engine.runner, []
+    verify = runner.run_verify
+
+    def guarded(out, drafts, hidden=False):
+        if results:  # the first verify step captures (graph) or compiles (eager) outside the check
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            results.append(verify(out, drafts, hidden))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return results[-1]
+
+    monkeypatch.setattr(runner, "run_verify", guarded)
+    assert len(engine.generate(p, 10)[0]) == 10
+    assert len(results) > 2 and all(r.graph == graphs and torch.isfinite(r.logits).all() for r in results[1:])
+
+
+def test_warmup_captures_every_verify_bucket_and_later_steps_only_replay(model):
+    n, p = 2, [_prompts()[0]]
+    ref = Engine(model, num_blocks=16, cuda_graphs=False).generate(p, 6)
+    engine = Engine(model, num_blocks=16, max_batch_tokens=64, speculative_tokens=n,
+                    drafter=_scripted(model, p, ref, n))
+    report = engine.warmup(progress=False)
+    # contexts up to the pool's 256 tokens: one bucket; batch buckets 1 .. 16 (16 blocks), at next_n = 3
+    assert set(engine.runner.graphs) == {Bucket(b, 256, n + 1) for b in (1, 2, 4, 8, 16)}
+    assert report["graphs_captured"] == 5 and engine.scheduler.blocks.num_free == 16
+    captured = dict(engine.runner.graphs)
+    assert len(engine.generate(p, 6)[0]) == 6 and engine.runner.graphs == captured
+    assert engine.stats.graph_steps == engine.stats.steps - 1 and engine.stats.compiles_after_warmup == 0

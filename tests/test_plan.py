@@ -103,6 +103,58 @@ def test_padding_to_a_graph_bucket():
         HostPlan.pack([1] * 5, [3] * 5, _tables(5), P, "cpu", bucket=Bucket(4, 256))
 
 
+def test_decode_requests_take_next_n_rows_padded_in_front():
+    """next_n = 3: requests of <= 3 new tokens decode, each padded in front to 3 rows at the positions
+    before its new ones (seeing only what those see, writing nowhere); a longer one is a prefill chunk."""
+    host = HostPlan.pack([3, 1, 20, 2], [30, 7, 10, 50], _tables(4), P, "cpu", options=PlanOptions(index_topk=16),
+                         input_ids=np.arange(26) + 100, next_n=3, logits_rows=[0, 1, 2, 3, 23, 24, 25])
+    plan = host.derive(host.upload())
+    assert host.query_lens.tolist() == [3, 3, 20, 3] and plan.num_tokens == 29
+    assert host.row_index.tolist() == [0, 1, 2, 5] + list(range(6, 26)) + [27, 28]
+    assert plan.positions.tolist() == [30, 31, 32, 5, 6, 7] + list(range(10, 30)) + [49, 50, 51]
+    assert plan.row_to_req.tolist() == [0, 0, 0, -1, -1, 1] + [2] * 20 + [-1, 3, 3]
+    pad = torch.tensor([3, 4, 26])
+    assert (plan.slot_mapping[pad] == -1).all() and (plan.slot_mapping[plan.row_to_req >= 0] >= 0).all()
+    assert plan.input_ids[pad].tolist() == [0, 0, 0] and plan.input_ids[5].item() == 103
+    assert plan.seq_lens.tolist() == [33, 8, 30, 52]  # each request's own tokens
+    assert plan.logits_rows.tolist() == [0, 1, 2, 5, 25, 27, 28]  # the rows given, at their plan rows
+    d = plan.decode
+    assert not plan.route.contiguous and d.next_n == 3 and d.rows.tolist() == [0, 1, 2, 3, 4, 5, 26, 27, 28]
+    assert d.row_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2] and d.seq_lens.tolist() == [33, 8, 52]
+    assert d.lengths.tolist() == [31, 32, 33, 6, 7, 8, 50, 51, 52]  # row j of S sees [0, S - 3 + j]
+    rows = plan.route.rows
+    assert rows["sparse_decode"] == 6 and rows["sparse_prefill"] + rows["dense_prefill_absorbed"] == 20
+
+
+def test_next_n_rows_hand_each_row_its_own_positions():
+    """Contexts within index_topk: every position up to each row's own, -1 after it (a padding row
+    before position 0 sees nothing)."""
+    plan = BatchPlan.build([2, 1], [4, 0], _tables(2), P, "cpu", options=PlanOptions(index_topk=16), next_n=3)
+    every, tables = plan.indexer.every_position, torch.tensor(_tables(2), dtype=torch.int32)
+    assert plan.route.decode_only and plan.route.every_position and every.shape == (6, 16)
+    assert plan.positions.tolist() == [3, 4, 5, -2, -1, 0] and plan.decode.lengths.tolist() == [4, 5, 6, 0, 0, 1]
+    for r, (req, s) in enumerate(zip([0, 0, 0, 1, 1, 1], [4, 5, 6, 0, 0, 1])):
+        assert every[r, :s].tolist() == (tables[req, 0] * P + torch.arange(s)).tolist() and (every[r, s:] == -1).all()
+    assert plan.slot_mapping.tolist()[3:5] == [-1, -1] and plan.slot_mapping[0].item() == -1  # row 0: padding
+
+
+def test_a_next_n_bucket_keeps_one_layout():
+    """A verify step padded to its Bucket(rows, context, next_n): the padding requests' next_n rows see
+    nothing, the logits rows padded to rows * next_n; any step of the bucket packs the same layout."""
+    opts = PlanOptions(index_topk=16)
+    host = HostPlan.pack([3, 1, 2], [30, 7, 70], _tables(3), P, "cpu", options=opts, input_ids=[1, 2, 3, 4, 5, 6],
+                         next_n=3, graphs=True, logits_rows=[0, 1, 2, 3, 3, 3])
+    assert host.bucket == Bucket(4, 256, 3) and host.bucket != Bucket(4, 256)
+    plan = host.derive(host.upload())
+    assert plan.num_tokens == 12 and plan.route.decode_only and plan.route.rows["sparse_decode"] == 6
+    assert plan.seq_lens.tolist() == [33, 8, 72, 0] and (plan.slot_mapping[9:] == -1).all()
+    assert plan.logits_rows.tolist() == [0, 1, 2, 5, 5, 5] + [0] * 6
+    empty = HostPlan.pack([], [], np.zeros((0, 16), np.int32), P, "cpu", options=opts, input_ids=np.zeros(0, np.int32),
+                          bucket=Bucket(4, 256, 3), next_n=3)  # the warm-up's capture plan
+    assert empty.spec == host.spec and HostPlan.pack([1], [3], _tables(1), P, "cpu", options=opts, input_ids=[1],
+                                                     next_n=3, bucket=Bucket(4, 256, 3)).spec == host.spec
+
+
 @pytest.mark.parametrize("query_lens,context_lens,want", [
     ([1, 1, 1], [30, 7, 70], Bucket(4, 256)),
     ([1], [255], Bucket(1, 256)),
@@ -276,8 +328,15 @@ def test_thresholds_file_round_trip(tmp_path):
     (lambda: PlanOptions(index_topk=True), "index_topk"),
     (lambda: PlanOptions(mha_kv_bytes_per_token=-1), "mha_kv_bytes_per_token"),
     (lambda: PlanOptions(dispatch="analytic"), "dispatch"),
+    (lambda: HostPlan.pack([1], [2], [[0]], 16, "cpu", next_n=0), "next_n"),
+    (lambda: HostPlan.pack([1], [2], [[0]], 16, "cpu", next_n=1.5), "next_n"),
+    (lambda: HostPlan.pack([2], [2], [[0]], 16, "cpu", next_n=3, logits_rows=[2]), "logits_rows"),
+    (lambda: HostPlan.pack([2], [2], [[0]], 16, "cpu", next_n=3, logits_rows=[[0]]), "logits_rows"),
+    (lambda: HostPlan.pack([2], [2], [[0]], 16, "cpu", next_n=3, bucket=Bucket(1, 256)), "bucket: its next_n"),
+    (lambda: HostPlan.pack([4], [2], [[0]], 16, "cpu", next_n=3, bucket=Bucket(1, 256, 3)), "bucket: padding"),
 ], ids=["short-table", "no-new-token", "lengths-differ", "ids", "src", "bucket-too-narrow", "bucket-tuple",
-        "options-dict", "topk-0", "topk-bool", "kv-bytes", "dispatch-str"])
+        "options-dict", "topk-0", "topk-bool", "kv-bytes", "dispatch-str", "next_n-0", "next_n-float",
+        "logits-row-past-T", "logits-rows-2d", "bucket-next_n", "bucket-prefill-row"])
 def test_bad_plans_are_refused(build, match):
     with pytest.raises((ValueError, TypeError), match=f"^{match}"):
         build()

@@ -4,13 +4,13 @@ stop tokens and strings and max_tokens landing inside a draft; the one-line erro
 import pytest
 import torch
 
-from dsa import DSAConfig, DSAModel, Engine, SamplingParams
+from dsa import DSAConfig, Engine, SamplingParams
 from dsa.engine.drafter import MTPDrafter, ScriptedDrafter
 from dsa.model.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 from dsa.model.mtp import mtp_logits
 from dsa.model.presets import PRESETS, default_model
 from dsa.serve.tokenizer import ByteTokenizer
-from tests.model_utils import prompt, tiny_model
+from tests.model_utils import prompt, sharp_model, tiny_model
 
 V = BYTE_VOCAB_SIZE
 BYTES = dict(vocab_size=V, bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID)
@@ -18,24 +18,11 @@ LENGTHS = (5, 14, 23)  # around index_topk = 16: dense rows, sparse rows, and pr
 NEW = 9
 
 
-def _random(config, seed: int) -> DSAModel:
-    """Random weights with the projections scaled up 8x: at HF's init a tiny model repeats one token,
-    which would hide a draft read one position off; these continuations do not repeat."""
-    m = DSAModel.random(config, seed=seed, dtype=torch.float32, device="cpu")
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.mul_(8)
-        for layer in m.all_layers():
-            layer.self_attn.absorb()
-    return m
-
-
 @pytest.fixture(scope="module")
 def model():
     config = DSAConfig.tiny(num_hidden_layers=2, index_topk=16, index_topk_pattern="FS", n_routed_experts=None,
                             num_nextn_predict_layers=1, indexer_precision="exact", **BYTES)
-    return _random(config, 4)
+    return sharp_model(config, 4)
 
 
 def _prompts():
@@ -129,7 +116,7 @@ def test_demo_cpu_shapes(reference):
     """demo-cpu's attention shapes (hidden 1024, 16 heads, 64 indexer heads) with index_topk 16, N = 2."""
     config = PRESETS["demo-cpu"]().replace(num_hidden_layers=1, index_topk=16, block_size=16,
                                            num_nextn_predict_layers=1, intermediate_size=256)
-    m = _random(config, 1)
+    m = sharp_model(config, 1)
     prompts = [prompt(n, 7 + n, vocab=256) for n in (6, 19)]
     ref = Engine(m, num_blocks=16).generate(prompts, 6)
     for drafter in (None, scripted(2, prompts, ref)):

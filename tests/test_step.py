@@ -16,6 +16,7 @@ import dsa.indexer.lightning
 import dsa.model.attention
 import dsa.model.plan
 from dsa import Engine
+from dsa.engine.drafter import ScriptedDrafter
 from dsa.indexer import LightningIndexer
 from tests.model_utils import prompt, tiny_model
 
@@ -26,8 +27,10 @@ def model(request):
     return tiny_model(indexer_precision=request.param, n_routed_experts=None)
 
 
-def _decoding_engine(model, n=3):
-    engine = Engine(model, num_blocks=32, overlap=False)  # every step finished: the runner is driven by hand
+def _decoding_engine(model, n=3, speculative_tokens=0):
+    drafter = ScriptedDrafter(lambda tokens, k: tokens[-k:], speculative_tokens, model.config.vocab_size) \
+        if speculative_tokens else None  # a verify step's N + 1 rows a request (the drafts: any ids)
+    engine = Engine(model, num_blocks=32, overlap=False, speculative_tokens=speculative_tokens, drafter=drafter)
     for i in range(n):
         engine.add_request(prompt(20 + 7 * i, 40 + i), 8)
     while any(r.prefilling for r in engine.running.values()) or engine.waiting:
@@ -40,24 +43,32 @@ GUARDED = ("item", "tolist", "__int__", "__float__", "__bool__", "nonzero")
 
 def _step_of(kind: str, model):
     """An engine and its next scheduled step: decode rows only, a fresh prefill (dense then sparse
-    rows, the MHA path among them), or a mixed step (decode rows and a prefill chunk behind a prefix)."""
+    rows, the MHA path among them), or a mixed step (decode rows and a prefill chunk behind a prefix);
+    ``verify``: a speculating engine's (N = 2: decode requests of 3 rows), alone or mixed."""
     if kind == "prefill":
         engine = Engine(model, num_blocks=32, overlap=False)
         engine.add_request(prompt(45, 60), 4)
     else:
-        engine = _decoding_engine(model)
-        if kind == "mixed":
+        engine = _decoding_engine(model, speculative_tokens=2 if kind.startswith("verify") else 0)
+        if kind.endswith("mixed"):
             engine.add_request(prompt(60, 61), 4)
-            engine.scheduler.max_batch_tokens = 3 + 25  # the new prompt's first chunk
+            engine.scheduler.max_batch_tokens = len(engine.running) * (1 + engine.speculative_tokens) + 25
             engine.step()  # now it continues behind a 25-token prefix
     return engine, engine.scheduler.schedule()
 
 
-@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed", "verify", "verify-mixed"])
 def test_a_step_makes_no_host_round_trip(model, kind, monkeypatch):
     engine, batch = _step_of(kind, model)
     assert {"decode": lambda q: q == [1, 1, 1], "prefill": lambda q: q == [45],
-            "mixed": lambda q: q[:3] == [1, 1, 1] and q[3] > 1}[kind](batch.num_rows), batch.num_rows
+            "mixed": lambda q: q[:3] == [1, 1, 1] and q[3] > 1, "verify": lambda q: q == [3, 3, 3],
+            "verify-mixed": lambda q: q[:3] == [3, 3, 3] and q[3] > 3}[kind](batch.num_rows), batch.num_rows
+    run = engine.runner.run
+    if kind.startswith("verify"):  # the target step of a speculating engine; the drafts proposed before it
+        engine.runner.batch.apply(batch)
+        drafts = engine.drafter.propose(engine.runner, batch)
+        def run(out):
+            return engine.runner.run_verify(out, drafts, hidden=True)
     inside_op = [0]
     originals = {name: getattr(torch.Tensor, name) for name in GUARDED}
 
@@ -86,8 +97,9 @@ def test_a_step_makes_no_host_round_trip(model, kind, monkeypatch):
         for name in GUARDED:
             m.setattr(torch.Tensor, name, guard(name))
         m.setattr(torch, "tensor", guard("torch.tensor"))
-        result = engine.runner.run(batch)  # plan (host ints, one upload) + every layer
-    assert result.logits.shape == (len(batch), model.config.vocab_size) and torch.isfinite(result.logits).all()
+        result = run(batch)  # plan (host ints, one upload) + every layer
+    rows = len(batch.sampled) * 3 if kind.startswith("verify") else len(batch)  # N + 1 rows a sampled request
+    assert result.logits.reshape(-1, model.config.vocab_size).shape[0] == rows and torch.isfinite(result.logits).all()
 
 
 def test_one_plan_per_step_read_by_every_layer(model, monkeypatch):

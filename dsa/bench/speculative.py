@@ -2,11 +2,12 @@
 
 For each context S one prompt (the demo's held-out text for a checkpoint with a tokenizer, random tokens
 for a preset) is prefilled and NEW tokens are decoded greedily (``ignore_eos``), three ways: the plain
-engine (CUDA graphs, its default), the plain engine eagerly (``cuda_graphs=False``: what the verify steps
-run today), and the speculating engine. Decode time is from the first streamed token to the last, so
-the prefill is not in it. The drafter is the model's MTP module, or with ``--draft-acceptance P`` the
-test drafter (:class:`~dsa.engine.drafter.ScriptedDrafter`) proposing the plain run's own tokens, each
-draft wrong with probability ``1 - P`` (a seeded hash), for a model whose MTP module is random.
+engine (CUDA graphs, its default), the plain engine eagerly (``cuda_graphs=False``: a decode step without
+graph replay), and the speculating engine (its verify steps replay graphs keyed by ``next_n = N + 1``).
+Decode time is from the first streamed token to the last, so the prefill is not in it. The drafter is
+the model's MTP module, or with ``--draft-acceptance P`` the test drafter
+(:class:`~dsa.engine.drafter.ScriptedDrafter`) proposing the plain run's own tokens, each draft wrong
+with probability ``1 - P`` (a seeded hash), for a model whose MTP module is random.
 
 Each ``engine_speculative`` row carries the measured acceptance (overall and by draft position), the
 tokens each verify step brings (``tokens_per_step``), the draft and verify times per step, the plain

@@ -69,16 +69,16 @@ class MTPDrafter:
         return drafts
 
     def observe(self, runner, out, result, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
-        """The module over the step's rows: every row with the token after it (the next input id in its
-        request; a request's last row, the next prompt token of a chunk; the sampled request's emitted
-        token at its last accepted row), the first draft of each sampled request from that row."""
+        """The module over the step's rows (the verify plan's: a decode request's padding rows write
+        nowhere): every row with the token after it (the next input id in its request; a request's
+        last row, the next prompt token of a chunk; the sampled request's emitted token at its last
+        accepted row), the first draft of each sampled request from that row."""
         req, _ = _sampled_rows(out)
         device, batch = self.model.device, runner.batch
         q, c = np.asarray(out.num_rows, np.int64), np.asarray(out.computed, np.int64)
-        last = np.cumsum(q) - 1
         nxt = torch.roll(result.ids.long(), -1)
         after = batch.token_ids[result.rows, np.minimum(c + q, batch.token_ids.shape[1] - 1)].clip(0)
-        nxt[torch.from_numpy(last).to(device)] = torch.from_numpy(after.astype(np.int64)).to(device)
+        nxt[torch.from_numpy(result.last).to(device)] = torch.from_numpy(after.astype(np.int64)).to(device)
         if len(req):
             anchor = torch.from_numpy(result.base).to(device) + accepted
             nxt[anchor] = tokens.gather(1, accepted[:, None])[:, 0]

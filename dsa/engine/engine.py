@@ -147,7 +147,8 @@ class Engine:
     ``speculative_tokens`` (N): draft N tokens per decode request and verify them in
     one step (:mod:`dsa.engine.speculative`; greedy tokens as without it, sampled ones from the same
     distribution), drafted by the model's MTP module or by ``drafter`` (:mod:`dsa.engine.drafter`);
-    such an engine runs without overlap and without CUDA graphs, on one device, without logprobs.
+    such an engine runs without overlap, on one device, without logprobs; its verify steps take the
+    decode path with N + 1 rows a request and replay CUDA graphs (keyed by N + 1 too) as decode steps do.
 
     Requests: :meth:`add_request` (token ids + :class:`~dsa.engine.sampling.SamplingParams`, or the
     ``max_new_tokens`` shorthand: greedy), :meth:`abort`, :meth:`step`; :meth:`stream` and
@@ -180,7 +181,7 @@ class Engine:
         self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens, max_num_seqs=max_num_seqs,
                                    prefix_caching=prefix_caching, namespace=namespace, speculative_tokens=n)
         self.runner = ModelRunner(model, num_blocks, cuda_graphs, max_num_seqs=max_num_seqs,
-                                  max_model_len=self.max_model_len, mtp_caches=mtp_caches)
+                                  max_model_len=self.max_model_len, mtp_caches=mtp_caches, speculative_tokens=n)
         self.drafter = (drafter or MTPDrafter(model, n, max_num_seqs)) if n else None
         self.sampler = Sampler(c.vocab_size, model.device)
         self.tokenizer = tokenizer

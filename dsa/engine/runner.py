@@ -12,6 +12,14 @@ packs the step's ints, copies them into the graph's buffer in one transfer, read
 still being sampled by the step before on the device, and replays; the logits of the real rows
 come back. Replay gives bitwise the logits of the eager path run at the same padded shapes.
 Models with MoE layers run eagerly (their expert dispatch reads routing decisions on the host).
+
+A speculating runner (``speculative_tokens = N``) runs its steps with :meth:`ModelRunner.run_verify`:
+the decode path with ``next_n = N + 1`` rows per request (:mod:`dsa.model.plan`: a request's last
+token and its drafts, padded in front to N + 1 rows; the paged indexer logits score every key once
+for all of them, top-k per row, sparse MLA over the rows). A verify step whose every request decodes
+replays the graph of its ``(batch bucket, context bucket, next_n)`` (:class:`~dsa.model.route.Bucket`)
+like a decode step, the rows whose logits come back packed with the plan; a step with prefill chunks
+runs eagerly, its decode requests on the same decode path.
 """
 import time
 from dataclasses import dataclass
@@ -22,7 +30,7 @@ import torch
 from dsa.engine.input_batch import InputBatch
 from dsa.engine.sampling import SamplingBatch
 from dsa.engine.staging import PinnedBuffers
-from dsa.kernels.common import cdiv
+from dsa.kernels.common import cdiv, check_int
 from dsa.kernels.topk import warm_topk_slots
 from dsa.model.layers import MoE
 from dsa.model.plan import BatchPlan, Bucket, HostPlan
@@ -42,15 +50,28 @@ class StepResult:
 
 @dataclass
 class VerifyResult:
-    """A speculating step's target side (:meth:`ModelRunner.run_verify`)."""
+    """A speculating step's target side (:meth:`ModelRunner.run_verify`), in the plan's rows ``T'``
+    (each decode request's N + 1 rows, padded in front; a graph bucket's padding requests after the
+    real ones). Replayed tensors are views of the graph's outputs: read them before the next step."""
     logits: torch.Tensor  # [S, N + 1, vocab] fp32: each sampled request's rows, its last token's first
-    hidden: torch.Tensor | None  # [T, hidden] every row's hidden state after the final norm (a drafter reads it)
-    plan: BatchPlan  # the step's plan (the MTP module's first pass runs on the same rows)
-    ids: torch.Tensor  # [T] int32 the rows' input ids on the device (drafts read in)
+    hidden: torch.Tensor | None  # [T', hidden] every row's hidden state after the final norm (a drafter reads it)
+    host: HostPlan  # the step's packed plan (the MTP module's first pass runs on the same rows: ``plan``)
+    buf: torch.Tensor  # [host.packer.size] int32, the packed plan on the device
+    ids: torch.Tensor  # [T'] int32 the rows' input ids on the device (drafts read in)
     rows: np.ndarray  # [B] the requests' rows of the input batch
-    base: np.ndarray  # [S] the step row of each sampled request's last token (its drafts follow it)
+    base: np.ndarray  # [S] the plan row of each sampled request's last token (its drafts follow it)
+    last: np.ndarray  # [B] the plan row of each request's last row
     paths: dict  # rows served per path
     workspace_bytes: int
+    graph: bool  # replayed from a CUDA graph
+    derived: BatchPlan | None = None  # the device plan, once derived
+
+    @property
+    def plan(self) -> BatchPlan:
+        """The step's device plan (a replayed step's derived from the graph's buffer on first use)."""
+        if self.derived is None:
+            self.derived = self.host.derive(self.buf)
+        return self.derived
 
 
 @dataclass
@@ -58,22 +79,24 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     buf: torch.Tensor  # the int32 plan buffer the graph reads
     spec: dict  # the plan layout it was captured with
-    logits: torch.Tensor  # [rows bucket, vocab] fp32, written by each replay
+    logits: torch.Tensor  # [rows bucket * next_n, vocab] fp32, written by each replay
+    hidden: torch.Tensor | None  # [rows bucket * next_n, hidden] (verify graphs: the drafter reads it)
 
 
 class ModelRunner:
     """Owns an engine's caches; plans each step and runs it (eagerly, or by graph replay)."""
 
     def __init__(self, model, num_blocks: int, cuda_graphs: bool | None = None, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, mtp_caches: bool = False):
+                 max_model_len: int | None = None, mtp_caches: bool = False, speculative_tokens: int = 0):
         self.model = model
+        self.next_n = check_int("speculative_tokens", speculative_tokens, minimum=0) + 1  # rows per decode request
         self.caches = model.allocate_caches(num_blocks, mtp=True) if mtp_caches else model.allocate_caches(num_blocks)
         possible = model.device.type == "cuda" and not any(isinstance(m, MoE) for m in model.modules())
         if cuda_graphs and not possible:
             raise ValueError("cuda_graphs: needs a model on a CUDA device without MoE layers (MoE dispatch reads "
                              f"routing on the host); this model is on {model.device}")
         self.use_graphs = possible if cuda_graphs is None else bool(cuda_graphs)
-        self.graphs: dict = {}  # (rows bucket, context bucket) -> _Graph
+        self.graphs: dict = {}  # Bucket (rows bucket, context bucket, next_n) -> _Graph
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.plan_options = model.plan_options()  # the same every step
         c = model.config
@@ -102,72 +125,103 @@ class ModelRunner:
         width = max(batch.num_blocks[rows].max(initial=1), 1)
         host = HostPlan.pack(q, c, batch.block_table[rows, :width], self.model.config.block_size, self.model.device,
                              options=self.plan_options, input_ids=ids, input_src=src, graphs=self.use_graphs)
+        logits, _, _, graph = self._launch(host, None if src is None else previous)
+        return StepResult(logits[:len(q)], sampling, host.route.rows, host.route.workspace_bytes, graph)
+
+    def _launch(self, host: HostPlan, pending: torch.Tensor | None) -> tuple:
+        """Run a packed step: replay its bucket's graph (captured on first use) or run it eagerly;
+        ids still pending (``src >= 0``) are read from ``pending`` on the device first. Returns
+        ``(logits [R, vocab], hidden [T', hidden] or None, the device buffer, replayed)``: a verify
+        step's (``next_n > 1``) logits are its ``plan.logits_rows`` and it returns the hidden states."""
         if host.bucket is not None:
             g = self.graphs.get(host.bucket) or self._capture(host)
             if host.spec != g.spec:
                 raise AssertionError("a graph bucket's plan layout changed")
             host.upload(g.buf, self.staging)
-            if src is not None:
-                _read_pending(host, g.buf, previous)
+            if pending is not None:
+                _read_pending(host, g.buf, pending)
             g.graph.replay()
-            return StepResult(g.logits[:len(q)], sampling, host.route.rows, 0, True)
+            return g.logits, g.hidden, g.buf, True
         buf = host.upload(staging=self.staging)
-        if src is not None:
-            _read_pending(host, buf, previous)
-        plan = host.derive(buf)
-        logits = self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
-        return StepResult(logits, sampling, plan.route.rows, plan.route.workspace_bytes, False)
+        if pending is not None:
+            _read_pending(host, buf, pending)
+        logits, hidden = self._forward(host.derive(buf), host.next_n > 1)
+        return logits, hidden, buf, False
+
+    def _forward(self, plan: BatchPlan, verify: bool) -> tuple:
+        """``(logits, hidden or None)`` of one step: a decode step's every row (its requests' last
+        rows), a verify step's ``plan.logits_rows`` and every row's hidden state."""
+        if verify:
+            return self.model.step(plan, self.caches, logits_rows=plan.logits_rows, return_hidden=True)
+        return self.model.step(plan, self.caches, logits_rows=plan.logits_rows), None
 
     def run_verify(self, out, drafts: torch.Tensor | None, hidden: bool = False) -> "VerifyResult":
         """Run a step of a speculating engine (its deltas already applied: :meth:`InputBatch.apply`):
         request ``i`` computes its rows as in :meth:`run`, its last token and then ``out.num_drafts[i]``
         draft rows, whose ids are ``drafts [S, N]`` (row ``s`` for the ``s``-th sampled request; -1 past
-        its drafts; read on the device). Eager (no CUDA graph); no host sync. The logits come back for
-        every sampled request's ``N + 1`` rows (rows past its drafts repeat its last one)."""
-        batch, p = self.batch, self.model.config.block_size
+        its drafts; read on the device). Every request of at most N + 1 rows takes the decode path
+        with ``next_n = N + 1`` rows (module docstring), by graph replay when every request does; no
+        host sync. The logits come back for every sampled request's ``N + 1`` rows (rows past its
+        drafts repeat its last one)."""
+        batch, p, n = self.batch, self.model.config.block_size, self.next_n - 1
+        if not n:
+            raise RuntimeError("run_verify: this runner was built with speculative_tokens = 0")
         rows = batch.rows(out.rids)
         q, c, k = np.asarray(out.num_rows), np.asarray(out.computed), np.asarray(out.num_drafts, np.int64)
         ids, src = batch.input_ids(rows, q, c, False)
         first = np.cumsum(q) - q
         sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
-        n = 0 if drafts is None else drafts.shape[1]
         base = first[sampled] + q[sampled] - 1 - k[sampled]  # the row of each sampled request's last token
         if k.any():
             src = np.full(len(ids), -1) if src is None else src
             for s_i, req in enumerate(sampled.tolist()):
                 src[base[s_i] + 1:base[s_i] + 1 + k[req]] = s_i * n + np.arange(k[req])
         batch.expect(rows[sampled], (c + q - k)[sampled], sampled)  # each one's sampled place
+        offsets = np.minimum(np.arange(n + 1)[None, :], k[sampled][:, None])  # [S, N + 1]
         width = max(batch.num_blocks[rows].max(initial=1), 1)
         host = HostPlan.pack(q, c, batch.block_table[rows, :width], p, self.model.device, options=self.plan_options,
-                             input_ids=ids, input_src=src)
-        buf = host.upload(staging=self.staging)
-        if src is not None:
-            _read_pending(host, buf, drafts.reshape(-1).clamp_min(0))  # (-1: no draft; its row is never accepted)
-        plan = host.derive(buf)
-        offsets = np.minimum(np.arange(n + 1)[None, :], k[sampled][:, None])  # [S, N + 1]
-        logits_rows = torch.from_numpy(base[:, None] + offsets).reshape(-1).to(self.model.device)
-        logits, h = self.model.step(plan, self.caches, logits_rows=logits_rows, return_hidden=True)
-        return VerifyResult(logits.view(len(sampled), n + 1, logits.shape[-1]), h if hidden else None, plan, host.view(buf, "ids"),
-                            rows, base, plan.route.rows, plan.route.workspace_bytes)
+                             input_ids=ids, input_src=src, graphs=self.use_graphs, next_n=n + 1,
+                             logits_rows=(base[:, None] + offsets).reshape(-1))
+        pending = None if src is None else drafts.reshape(-1).clamp_min(0)  # (-1: no draft; never accepted)
+        logits, h, buf, graph = self._launch(host, pending)
+        logits = logits[:len(sampled) * (n + 1)].view(len(sampled), n + 1, logits.shape[-1])
+        return VerifyResult(logits, h if hidden else None, host, buf, host.view(buf, "ids"), rows,
+                            host.row_index[base], host.row_index[first + q - 1], host.route.rows,
+                            host.route.workspace_bytes, graph)
 
     def _capture(self, host: HostPlan) -> _Graph:
         """Capture the model step for one bucket. The warm-up and the capture run this step's own
         rows (writing the same cache rows the replay writes again)."""
-        model = self.model
-        buf = torch.zeros(host.packer.size, dtype=torch.int32, device=model.device)
+        verify = host.next_n > 1
+        buf = torch.zeros(host.packer.size, dtype=torch.int32, device=self.model.device)
         host.upload(buf)
         if "ids" in host.spec:  # an id still pending (PENDING = -1) is read in before each replay, not here
             host.view(buf, "ids").clamp_(min=0)
+        graph, (logits, hidden) = self._record(lambda: self._graph_step(host.derive(buf), verify))
+        self.graphs[host.bucket] = g = _Graph(graph, buf, host.spec, logits, hidden)
+        return g
+
+    def _record(self, step) -> tuple:
+        """``(graph, outputs)``: ``step()`` run once on a side stream (it compiles kernels and settles
+        allocations), then captured into a CUDA graph of the runner's pool; ``outputs`` are the
+        captured run's, which each ``graph.replay()`` rewrites. The only CUDA-specific part of a
+        graph step: the rest (buffer, plan, outputs) is the same on every device."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compiles kernels, settles allocations
-            model.step(host.derive(buf), self.caches)
+        with torch.cuda.stream(side):
+            step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = model.step(host.derive(buf), self.caches)
-        self.graphs[host.bucket] = g = _Graph(graph, buf, host.spec, logits)
-        return g
+            outputs = step()
+        return graph, outputs
+
+    def _graph_step(self, plan: BatchPlan, verify: bool) -> tuple:
+        """What a graph captures: a decode step's logits of every row (each request's one), or a
+        verify step's :meth:`_forward`."""
+        if verify:
+            return self._forward(plan, True)
+        return self.model.step(plan, self.caches), None
 
     def context_buckets(self, max_context: int) -> list:
         """Every decode context bucket up to ``max_context`` tokens."""
@@ -179,8 +233,10 @@ class ModelRunner:
         ``max_batch_tokens`` rows (dense and sparse rows, no prefix and a long one), the top-k's
         finish tiles (:func:`~dsa.kernels.topk.warm_topk_slots`), and decode steps
         at every batch and context bucket up to ``max_decode_rows`` x ``max_context`` (with graphs:
-        captured here, padding rows only). Every row writes into scratch blocks or nowhere: call it
-        before any request holds blocks. Returns what it did (steps, graphs, seconds, bytes)."""
+        captured here, padding rows only); a speculating runner's at ``next_n = N + 1`` too (its
+        verify steps: the graphs are these; the decode steps of one row stay eager, for the
+        drafter's kernels). Every row writes into scratch blocks or nowhere: call it before any
+        request holds blocks. Returns what it did (steps, graphs, seconds, bytes)."""
         from tqdm import tqdm
 
         c, p = self.model.config, self.model.config.block_size
@@ -194,7 +250,8 @@ class ModelRunner:
         if c.index_topk is not None:  # a few dense rows behind a prefix: the absorbed kernel's split variant
             prefill += [(t, c.index_topk - t) for t in (2, 16) if t <= max_batch_tokens and c.index_topk > t]
         rows = [b for b in BATCH_BUCKETS if b <= max_decode_rows] or [1]
-        decode = [(b, ctx) for ctx in self.context_buckets(max_context) for b in rows]
+        widths = sorted({1, self.next_n})
+        decode = [(b, ctx, n) for n in widths for ctx in self.context_buckets(max_context) for b in rows]
         sync = torch.cuda.synchronize if self.model.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
@@ -206,48 +263,52 @@ class ModelRunner:
             self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
             bar.update()
         if c.index_topk is not None:  # the top-k's finish tiles: a constexpr chosen by width and rows
-            warm_topk_slots(c.index_topk, max_context, max_batch_tokens, p, self.model.device)
+            warm_topk_slots(c.index_topk, max_context, max(max_batch_tokens, rows[-1] * self.next_n), p,
+                            self.model.device)
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()  # the graphs' memory is what the pool holds after them
         graphs, before = 0, _reserved(self.model.device)
-        for b, ctx in decode:
-            if self.use_graphs:
-                if (b, ctx) not in self.graphs:
-                    self._capture(self._padding_plan(b, ctx))
+        for b, ctx, n in decode:
+            if self.use_graphs and n == self.next_n:
+                if Bucket(b, ctx, n) not in self.graphs:
+                    self._capture(self._padding_plan(b, ctx, n))
                     graphs += 1
-            else:
+            else:  # every row at the bucket's last positions, in scratch block 0
                 table = np.zeros((b, ctx // p), np.int32)
-                plan = BatchPlan.build([1] * b, [ctx - 1] * b, table, p, self.model.device, options=self.plan_options,
-                                       input_ids=np.zeros(b, np.int32))
-                self.model.step(plan, self.caches, logits_rows=plan.logits_rows)
+                plan = BatchPlan.build([n] * b, [ctx - n] * b, table, p, self.model.device, options=self.plan_options,
+                                       input_ids=np.zeros(b * n, np.int32), next_n=n)
+                self._forward(plan, n > 1)
             bar.update()
         bar.close()
         sync()
         return {"prefill_steps": len(prefill), "decode_buckets": len(decode), "graphs_captured": graphs,
                 "seconds": round(time.perf_counter() - t0, 2), "graph_pool_bytes": _reserved(self.model.device) - before}
 
-    def _padding_plan(self, rows: int, ctx: int) -> HostPlan:
+    def _padding_plan(self, rows: int, ctx: int, next_n: int = 1) -> HostPlan:
         """A decode-only plan of padding rows only (nothing read or written) for one graph bucket."""
         p = self.model.config.block_size
         return HostPlan.pack([], [], np.zeros((0, ctx // p), np.int32), p, self.model.device, options=self.plan_options,
-                             input_ids=np.zeros(0, np.int32), bucket=Bucket(rows, ctx))
+                             input_ids=np.zeros(0, np.int32), bucket=Bucket(rows, ctx, next_n), next_n=next_n)
 
 
-def decode_graph_estimate(config, max_context: int, max_decode_rows: int) -> dict:
+def decode_graph_estimate(config, max_context: int, max_decode_rows: int, next_n: int = 1) -> dict:
     """What the warm-up's decode graphs up to ``max_context`` tokens and ``max_decode_rows`` rows
-    cost, from the shapes alone (no device): one graph per (batch bucket, context bucket). Each
-    holds for good its logits ``[rows, vocab]`` fp32 (in the graph pool) and its packed plan (block
-    tables ``[rows, width / P]`` int32, outside it); while one runs it also needs the paged indexer
-    logits ``[rows, width]`` fp32 of one layer at a time, which the graphs' shared pool reuses (the
+    cost, from the shapes alone (no device): one graph per (batch bucket, context bucket) at
+    ``next_n`` rows per request (N + 1: a speculating runner's verify graphs). Each holds for good
+    its logits ``[rows * next_n, vocab]`` fp32 (in the graph pool; a verify graph its hidden states
+    ``[rows * next_n, hidden]`` too, counted at 2 bytes: bf16) and its packed plan (block tables
+    ``[rows, width / P]`` int32, outside it); while one runs it also needs the paged indexer logits
+    ``[rows * next_n, width]`` fp32 of one layer at a time, which the graphs' shared pool reuses (the
     largest bucket's counts once)."""
     contexts = context_buckets(max_context, config.block_size)
     rows = [b for b in BATCH_BUCKETS if b <= max_decode_rows] or [1]
     blocks = sum(cdiv(ctx, config.block_size) for ctx in contexts)
+    held = len(contexts) * sum(rows) * next_n  # output rows the graphs hold
     return {"context_buckets": len(contexts), "largest_context_bucket": contexts[-1],
-            "graphs": len(contexts) * len(rows),
-            "logits_bytes": len(contexts) * sum(rows) * config.vocab_size * 4,
-            "plan_bytes": sum(rows) * (blocks + len(contexts) * 8) * 4,  # tables + ~8 ints a row (lengths, ids, ...)
-            "paged_logits_bytes": rows[-1] * contexts[-1] * 4 if config.index_topk is not None else 0}
+            "graphs": len(contexts) * len(rows), "logits_bytes": held * config.vocab_size * 4,
+            "hidden_bytes": held * config.hidden_size * 2 if next_n > 1 else 0,
+            "plan_bytes": sum(rows) * (blocks + len(contexts) * 8 * next_n) * 4,  # tables + ~8 ints a row
+            "paged_logits_bytes": rows[-1] * next_n * contexts[-1] * 4 if config.index_topk is not None else 0}
 
 
 def _read_pending(host: HostPlan, buf: torch.Tensor, previous: torch.Tensor) -> None:

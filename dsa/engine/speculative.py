@@ -3,8 +3,10 @@
 The scheduler gives each decode request ``1 + k`` rows (its last token, then ``k <= speculative_tokens``
 draft rows, fewer near its length limit) and blocks for all of them; the drafter
 (:mod:`dsa.engine.drafter`) proposes the draft ids on the device; the runner verifies every row of the
-step in one target pass (:meth:`~dsa.engine.runner.ModelRunner.run_verify`: the verify rows are each
-request's ``k + 1`` query rows, causal, through the indexer's top-k per row and sparse MLA over them);
+step in one target pass (:meth:`~dsa.engine.runner.ModelRunner.run_verify`: the decode path with
+``next_n = N + 1`` rows a request, its ``k + 1`` rows padded in front, causal: paged indexer logits
+with N + 1 rows, top-k per row, sparse MLA over the rows; a CUDA graph per batch and context bucket
+and ``next_n`` when every request decodes);
 the rejection sampler (:mod:`dsa.engine.rejection`) accepts the longest agreeing prefix (greedy) or by
 rejection sampling (sampled), and the drafter's ``observe`` runs the MTP module over the rows. The host
 then reads the tokens once (the step's one sync), applies the stop rules token by token (EOS, stop
@@ -13,8 +15,8 @@ the scheduler advances each request by its accepted rows. Rejected rows stay in 
 request's ``computed`` length: no row reads them (attention is causal) and the next step overwrites
 them; no prefix-cache name covers them.
 
-Speculating engines schedule without overlap (each step is finished before the next is scheduled) and
-run every step eagerly (no CUDA graphs yet); ``speculative_tokens=0`` is the plain engine, unchanged.
+Speculating engines schedule without overlap (each step is finished before the next is scheduled); the
+drafter's MTP passes run eagerly; ``speculative_tokens=0`` is the plain engine, unchanged.
 """
 import time
 from dataclasses import dataclass, field
@@ -124,6 +126,7 @@ def launch(engine, out) -> VerifiedStep:
     for path, rows in result.paths.items():
         s.rows[path] += rows
     s.peak_workspace_bytes = max(s.peak_workspace_bytes, result.workspace_bytes)
+    s.graph_steps += result.graph
     packed = torch.cat((tokens, accepted[:, None]), dim=1).cpu() if len(out.sampled) else torch.zeros(0, n + 2)
     k = np.asarray(out.num_drafts, np.int64)[[x.row for x in out.sampled]] if out.sampled else np.zeros(0, np.int64)
     return VerifiedStep(out.sampled, packed, clock, k)

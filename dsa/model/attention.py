@@ -119,7 +119,8 @@ class DSAAttention(nn.Module):
         the dense absorbed kernel."""
         if sparse:
             return sparse_mla(q_abs, latent.data, selection.decode, self.softmax_scale)[0]
-        return dense_mla_decode(q_abs.unsqueeze(1), latent.data, d.block_table, d.seq_lens, self.softmax_scale)[0][:, 0]
+        q = q_abs.unflatten(0, (-1, d.next_n))  # [R, N, H, 576]: row j of a request sees [0, S - N + j]
+        return dense_mla_decode(q, latent.data, d.block_table, d.seq_lens, self.softmax_scale)[0].flatten(0, 1)
 
     def project(self, x: torch.Tensor, rot: torch.Tensor):
         """``(qr [T, q_lora], q_nope [T, H, D_NOPE], q_pe [T, H, D_R], kv_c [T, 512], k_pe [T, 64])``,

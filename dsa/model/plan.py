@@ -8,6 +8,14 @@ transfer (pinned, non-blocking; an engine's runner packs into persistent pinned 
 view of that buffer or is derived from it on the device, so building a plan never waits for the
 device. A padded plan can be written into a fixed buffer (``out``): the tensors a CUDA graph
 captured are then refilled in place.
+
+Decode requests have ``next_n`` rows each (DESIGN's ``N``): 1 in plain decode; in a verify step of
+speculative decoding N + 1, and every request of at most ``next_n`` new tokens decodes, its rows
+padded in front to ``next_n``. Row ``j`` of a decode request of ``S`` tokens sits at position
+``S - next_n + j`` and sees ``[0, S - next_n + j]`` (the decode kernels' causal rule), so its new
+tokens sit at their own positions, and the padding rows in front of them see only positions cached
+before the step and write nowhere (``row_to_req`` -1); nothing returns their outputs.
+:attr:`HostPlan.row_index` maps the rows given to the plan's.
 """
 from dataclasses import dataclass
 
@@ -16,7 +24,7 @@ import torch
 
 from dsa.indexer.batch import DecodeRows, IndexerBatch, PrefillRows, Segment
 from dsa.kernels import positions_to_slots
-from dsa.kernels.common import cdiv
+from dsa.kernels.common import cdiv, check_int
 from dsa.model.route import PATHS, Bucket, PlanOptions, Route, graph_bucket, route
 
 __all__ = ["PATHS", "BatchPlan", "Bucket", "HostPlan", "PlanOptions"]
@@ -114,35 +122,56 @@ def _check_ids(input_ids, input_src, num_tokens: int):
 
 
 def _choose_bucket(query: np.ndarray, longest: int, block_size: int, bucket: Bucket | None,
-                   graphs: bool) -> Bucket | None:
+                   graphs: bool, next_n: int) -> Bucket | None:
     """The bucket to pad to: the one given (checked), the step's own with ``graphs``, else None."""
     if graphs:
         if bucket is not None:
             raise ValueError("bucket: give a bucket or graphs=True, not both")
-        return graph_bucket(query, longest, block_size)
+        return graph_bucket(query, longest, block_size, next_n)
     if bucket is None:
         return None
     if not isinstance(bucket, Bucket):
         raise TypeError(f"bucket: expected a Bucket, got {type(bucket).__name__}")
-    if (query != 1).any() or bucket.rows < len(query):
-        raise ValueError(f"bucket: padding needs a decode-only step of <= {bucket.rows} requests, "
-                         f"got query_lens {query.tolist()}")
+    if bucket.next_n != next_n:
+        raise ValueError(f"bucket: its next_n {bucket.next_n} is not the step's next_n {next_n}")
+    if (query > next_n).any() or bucket.rows < len(query):
+        raise ValueError(f"bucket: padding needs a decode-only step of <= {bucket.rows} requests of <= {next_n} "
+                         f"new tokens, got query_lens {query.tolist()}")
     if bucket.max_seq_len < longest:
         raise ValueError(f"bucket: max_seq_len must be >= the longest request ({longest}), got {bucket.max_seq_len}")
     return bucket
 
 
-def _pad(query, context, seq, ids, src, rows: int):
-    """The step padded to ``rows`` requests: one new token, nothing cached, nothing visible (S = 0),
-    id 0 (read from nowhere)."""
-    pad = rows - len(query)
-    if not pad:
-        return query, context, seq, ids, src
-    query, context = np.concatenate((query, np.ones(pad, np.int64))), np.concatenate((context, np.zeros(pad, np.int64)))
-    seq = np.concatenate((seq, np.zeros(pad, np.int64)))
-    if ids is not None:
-        ids, src = np.concatenate((ids, np.zeros(pad, ids.dtype))), np.concatenate((src, np.full(pad, -1)))
-    return query, context, seq, ids, src
+@dataclass
+class _Layout:
+    """The plan's rows (module docstring): each decode request's rows padded in front to ``next_n``,
+    then the padding requests (``next_n`` rows at positions ``0 ..``, nothing visible: S = 0)."""
+    query: np.ndarray  # [B'] rows per request
+    start: np.ndarray  # [B'] the position of each request's first row
+    seq: np.ndarray  # [B'] S: tokens cached after the step (0: a padding request)
+    new: np.ndarray  # [B'] the request's own new tokens (0: a padding request)
+    first_row: np.ndarray  # [B'] each request's first row
+    row_index: np.ndarray  # [T] int64, the plan row of each row given
+    num_tokens: int  # T': rows of the plan
+
+    @classmethod
+    def of(cls, query, context, seq, next_n: int, num_rows: int) -> "_Layout":
+        pad = np.zeros(num_rows - len(query), np.int64)
+        new, seq, context = (np.concatenate((a, pad)) for a in (query, seq, context))
+        decode = new <= next_n
+        rows = np.where(decode, next_n, new)
+        start = np.where(decode & (seq > 0), seq - rows, context)  # padding requests: positions 0 ..
+        first_row = np.cumsum(rows) - rows
+        req = np.repeat(np.arange(len(query)), query)  # the given rows' requests
+        given_first = np.cumsum(query) - query
+        row_index = first_row[req] + (rows - new)[req] + np.arange(len(req)) - given_first[req]
+        return cls(rows, start, seq, new, first_row, row_index, int(rows.sum()))
+
+    def scatter(self, values, fill):
+        """``values [T]`` of the given rows at their plan rows, ``fill`` elsewhere."""
+        out = np.full(self.num_tokens, fill, dtype=np.asarray(values).dtype)
+        out[self.row_index] = values
+        return out
 
 
 @dataclass
@@ -159,10 +188,10 @@ class BatchPlan:
     input_ids: torch.Tensor | None  # [T] int32 (when built with ids)
     positions: torch.Tensor  # [T] int32, request-local
     slot_mapping: torch.Tensor  # [T] int32, where each row's latent row and indexer key go (-1: nowhere)
-    row_to_req: torch.Tensor  # [T] int32
+    row_to_req: torch.Tensor  # [T] int32, -1 for a padding row of a decode request (it writes nowhere)
     block_table: torch.Tensor  # [B, MB] int32
     seq_lens: torch.Tensor  # [B] int32, context + new tokens
-    logits_rows: torch.Tensor  # [B] int64, each request's last row
+    logits_rows: torch.Tensor  # [R] int64, the rows whose logits the step returns (default: each request's last)
     indexer: IndexerBatch  # what the indexer layers read
     decode: DecodeRows | None  # the decode rows (route.decode_reqs)
     sparse_prefill_rows: torch.Tensor | None  # [rows] int64 rows of indexer.prefill, in order
@@ -175,11 +204,12 @@ class BatchPlan:
 
     @classmethod
     def build(cls, query_lens, context_lens, block_tables, block_size: int, device, *,
-              options: PlanOptions = PlanOptions(), input_ids=None, out: torch.Tensor | None = None) -> "BatchPlan":
+              options: PlanOptions = PlanOptions(), input_ids=None, out: torch.Tensor | None = None,
+              next_n: int = 1, logits_rows=None) -> "BatchPlan":
         """Plan one step: :meth:`HostPlan.pack` (host), one upload (into ``out``, an int32 device
         buffer, when given), :meth:`HostPlan.derive` (device)."""
         host = HostPlan.pack(query_lens, context_lens, block_tables, block_size, device, options=options,
-                             input_ids=input_ids)
+                             input_ids=input_ids, next_n=next_n, logits_rows=logits_rows)
         return host.derive(host.upload(out))
 
 
@@ -190,8 +220,8 @@ class HostPlan:
     A CUDA graph captures ``derive`` and the layers; each replay packs a new HostPlan of the same
     ``bucket`` (so the same ``spec``), uploads it into the captured buffer and replays.
     """
-    query_lens: np.ndarray  # [B'] new tokens per request, padding rows included
-    context_lens: np.ndarray  # [B'] tokens already cached per request
+    query_lens: np.ndarray  # [B'] rows per request (a decode request's next_n), padding requests included
+    context_lens: np.ndarray  # [B'] the position of each one's first row: its cached tokens (S - next_n: decode)
     num_requests: int  # B: requests before the padding rows
     block_size: int
     index_topk: int | None
@@ -201,11 +231,13 @@ class HostPlan:
     route: Route
     spec: dict  # name -> (offset, shape) in the packed buffer
     packer: _Packer
+    next_n: int  # rows per decode request
+    row_index: np.ndarray  # [T] int64, the plan row of each row given (input_ids' order)
 
     @classmethod
     def pack(cls, query_lens, context_lens, block_tables, block_size: int, device, *,
              options: PlanOptions = PlanOptions(), input_ids=None, input_src=None, bucket: Bucket | None = None,
-             graphs: bool = False) -> "HostPlan":
+             graphs: bool = False, next_n: int = 1, logits_rows=None) -> "HostPlan":
         """Check, pad, route and pack the step's facts; no device work.
 
         Args:
@@ -221,13 +253,19 @@ class HostPlan:
             bucket: pad this decode-only step to a CUDA graph :class:`Bucket`.
             graphs: pad the step to its own bucket (:func:`~dsa.model.route.graph_bucket`) when it
                 has one (``host.bucket``; None: the step runs eagerly).
+            next_n: rows per decode request (module docstring): 1, plain decode (a request of one
+                new token decodes); N + 1 in a verify step (a request of at most N + 1 decodes).
+            logits_rows: ``[R]`` ints, rows of ``input_ids``' order whose logits the step returns
+                (``plan.logits_rows``, mapped to the plan's rows); None: each request's last row. In a
+                graph bucket they are padded with row 0 to ``bucket.rows * next_n`` entries.
         """
         if not isinstance(options, PlanOptions):
             raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
+        next_n = check_int("next_n", next_n, minimum=1)
         query, context = _check_lengths(query_lens, context_lens)
         seq = context + query
         longest = int(seq.max()) if len(seq) else 0
-        bucket = _choose_bucket(query, longest, block_size, bucket, graphs)
+        bucket = _choose_bucket(query, longest, block_size, bucket, graphs, next_n)
         num_requests, num_rows = len(query), len(query) if bucket is None else bucket.rows
         width = None if bucket is None else cdiv(bucket.max_seq_len, block_size)
         tables = _block_array(block_tables, num_requests, width, num_rows)
@@ -235,13 +273,18 @@ class HostPlan:
             raise ValueError(f"block_tables: expected [B={num_requests}, >= ceil(S / {block_size})] blocks per "
                              f"request, got {list(tables.shape)} for seq_lens {seq.tolist()}")
         ids, src = _check_ids(input_ids, input_src, int(query.sum()))
-        query, context, seq, ids, src = _pad(query, context, seq, ids, src, num_rows)
+        rows = _logits_rows(logits_rows, int(query.sum()))
+        lay = _Layout.of(query, context, seq, next_n, num_rows)
+        if ids is not None:
+            ids, src = lay.scatter(ids, 0), lay.scatter(src, -1)
+        rows = lay.first_row + lay.query - 1 if rows is None else lay.row_index[rows]
+        if bucket is not None and len(rows) < bucket.rows * next_n:
+            rows = np.concatenate((rows, np.zeros(bucket.rows * next_n - len(rows), np.int64)))
         max_seq_len = longest if bucket is None else bucket.max_seq_len
-        first_row = np.cumsum(query) - query
-        routed = route(query, context, first_row, num_requests, max_seq_len, options)
-        spec, packer = _pack(query, context, seq, first_row, tables, ids, src, routed)
-        return cls(query, context, num_requests, block_size, options.index_topk, max_seq_len, torch.device(device),
-                   bucket, routed, spec, packer)
+        routed = route(lay.query, lay.start, lay.first_row, num_requests, max_seq_len, options, next_n, lay.new)
+        spec, packer = _pack(lay, tables, ids, src, rows, routed)
+        return cls(lay.query, lay.start, num_requests, block_size, options.index_topk, max_seq_len,
+                   torch.device(device), bucket, routed, spec, packer, next_n, lay.row_index)
 
     def upload(self, out: torch.Tensor | None = None, staging=None) -> torch.Tensor:
         """The packed facts on the device: one non-blocking copy (into ``out`` when given), from a
@@ -282,19 +325,26 @@ class HostPlan:
             mha=mha, absorbed=absorbed)
 
     def _decode_rows(self, buf, block_table, seq_lens) -> DecodeRows:
-        r = len(self.route.decode_reqs)
+        r, n = len(self.route.decode_reqs), self.next_n
         if self.route.contiguous:
-            rows, table, lens = slice(0, r), block_table[:r], seq_lens[:r]
+            rows, table, lens = slice(0, r * n), block_table[:r], seq_lens[:r]
         else:
             reqs = _view(buf, self.spec["decode_reqs"]).long()
             rows, table, lens = _view(buf, self.spec["decode_rows"]).long(), block_table[reqs], seq_lens[reqs]
-        return DecodeRows(rows, table, lens, torch.arange(r, dtype=torch.int32, device=self.device), self.max_seq_len)
+        if n == 1:
+            return DecodeRows(rows, table, lens, torch.arange(r, dtype=torch.int32, device=self.device),
+                              self.max_seq_len, 1, lens)
+        j = torch.arange(r * n, dtype=torch.int32, device=self.device)
+        row_ids = j // n  # row b * n + j reads block_table[b]
+        visible = (lens[row_ids.long()] - n + 1 + j % n).clamp_min(0)  # row j of S sees [0, S - n + j]
+        return DecodeRows(rows, table, lens, row_ids, self.max_seq_len, n, visible)
 
     def _every_position(self, d: DecodeRows) -> torch.Tensor:
-        """``[R, K]`` slots of positions ``0 .. K-1`` of each decode row (-1 past S): top-k's answer
-        when every context fits in ``index_topk``."""
+        """``[R * N, K]`` slots of positions ``0 .. K-1`` of each decode row (-1 from its visible
+        length on): top-k's answer when every context fits in ``index_topk``."""
         k = torch.arange(self.index_topk, dtype=torch.int32, device=self.device)
-        return positions_to_slots(k.expand(len(d.row_ids), -1), d.block_table, d.row_ids, d.seq_lens, self.block_size)
+        positions = torch.where(k[None, :] < d.lengths[:, None], k[None, :], -1)
+        return positions_to_slots(positions, d.block_table, d.row_ids, d.seq_lens, self.block_size)
 
     def _mha_rows(self, seg: Segment, block_table, seq_len, valid, zeros) -> PrefillRows:
         """A dense MHA segment with the slots of its keys and, behind a prefix, its SDPA mask: built
@@ -313,19 +363,34 @@ def _rows(seg: Segment, block_table, seq_len, valid, slots=None, mask=None) -> P
                        valid[seg.rows], slots, mask)
 
 
-def _pack(query, context, seq, first_row, tables, ids, src, routed: Route) -> tuple[dict, _Packer]:
+def _logits_rows(rows, num_tokens: int) -> np.ndarray | None:
+    """``logits_rows`` checked: None, or a 1-D int array of rows in ``[0, T)``."""
+    if rows is None:
+        return None
+    a = np.asarray(rows.detach().cpu() if isinstance(rows, torch.Tensor) else rows)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise ValueError(f"logits_rows: expected a 1-D sequence of row indices, got shape {list(a.shape)} {a.dtype}")
+    a = a.astype(np.int64)
+    if a.size and (a.min() < 0 or a.max() >= num_tokens):
+        raise ValueError(f"logits_rows: rows must be in [0, {num_tokens}) (the step's rows), got {a.min()}..{a.max()}")
+    return a
+
+
+def _pack(lay: _Layout, tables, ids, src, logits_rows, routed: Route) -> tuple[dict, _Packer]:
     """The packed buffer's layout (name -> (offset, shape)) and its host parts: the facts every
     step needs, then only those its routing reads."""
-    num_tokens = int(query.sum())
-    row_to_req = np.repeat(np.arange(len(query)), query)
-    positions = np.arange(num_tokens) - first_row[row_to_req] + context[row_to_req]
+    query, first_row = lay.query, lay.first_row
+    req = np.repeat(np.arange(len(query)), query)
+    positions = np.arange(lay.num_tokens) - first_row[req] + lay.start[req]
+    row_to_req = lay.scatter(req[lay.row_index], -1)  # the padding rows' -1: they write nowhere
     pack = _Packer()
-    spec = dict(positions=pack.add(positions), row_to_req=pack.add(row_to_req), seq_lens=pack.add(seq),
-                table=pack.add(tables, tables.shape), logits_rows=pack.add(first_row + query - 1))
+    spec = dict(positions=pack.add(positions), row_to_req=pack.add(row_to_req), seq_lens=pack.add(lay.seq),
+                table=pack.add(tables, tables.shape), logits_rows=pack.add(logits_rows))
     if ids is not None:
         spec["ids"], spec["src"] = pack.add(ids), pack.add(src)
     if len(routed.decode_reqs) and not routed.contiguous:
-        spec["decode_rows"] = pack.add(first_row[routed.decode_reqs])
+        n = routed.next_n
+        spec["decode_rows"] = pack.add((first_row[routed.decode_reqs][:, None] + np.arange(n)).reshape(-1))
         spec["decode_reqs"] = pack.add(routed.decode_reqs)
     dense = routed.mha + routed.absorbed
     if dense or routed.sparse:

@@ -5,16 +5,17 @@ own valid range ``[0, pos]``: one that exceeds ``index_topk`` attends to its top
 other row, and every row of a model without an indexer, attends to all of it (dense). Routing
 chooses only among implementations of that function:
 
-- decode rows (a request with one new token) of a model with an indexer all go through top-k +
-  sparse MLA; when every context of the step fits in ``index_topk``, the top-k of each is every
-  position, which the plan hands over without scoring (the same function as dense attention), so
-  a row's path never depends on the rest of its batch; without an indexer they take the dense
-  absorbed decode;
+- decode rows (a request with one new token; in a verify step of speculative decoding, a request of
+  at most ``next_n`` new tokens, padded to ``next_n`` rows: :mod:`dsa.model.plan`) of a model with
+  an indexer all go through top-k + sparse MLA; when every context of the step fits in
+  ``index_topk``, the top-k of each is every position, which the plan hands over without scoring
+  (the same function as dense attention), so a row's path never depends on the rest of its batch;
+  without an indexer they take the dense absorbed decode;
 - dense prefill rows take up-projected MHA (SDPA) or the absorbed kernel (``Dispatch``).
 
 :func:`route` returns a :class:`Route`; the plan (:mod:`dsa.model.plan`), the layers, the indexer
 and the runner read its flags and segments instead of deciding again. A decode-only step can be
-padded to a CUDA graph :class:`Bucket` (:func:`graph_bucket`).
+padded to a CUDA graph :class:`Bucket` (:func:`graph_bucket`), keyed by its rows per request too.
 """
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -64,19 +65,22 @@ def batch_bucket(rows: int) -> int | None:
 
 class Bucket(NamedTuple):
     """A CUDA graph's shapes: a decode-only step padded to ``rows`` requests (padding rows see
-    nothing and write nowhere), its paged logits ``max_seq_len`` wide and its block tables
-    ``ceil(max_seq_len / P)`` wide."""
+    nothing and write nowhere) of ``next_n`` rows each (1: plain decode; N + 1: a verify step of
+    speculative decoding), its paged logits ``max_seq_len`` wide and its block tables
+    ``ceil(max_seq_len / P)`` wide. It is the runner's graph key."""
     rows: int
     max_seq_len: int
+    next_n: int = 1
 
 
-def graph_bucket(query_lens: np.ndarray, longest: int, block_size: int) -> Bucket | None:
-    """The bucket a step replays in: a decode-only step of at most ``BATCH_BUCKETS[-1]`` requests
-    (``longest``: its longest request) has one; any other step runs eagerly (None)."""
+def graph_bucket(query_lens: np.ndarray, longest: int, block_size: int, next_n: int = 1) -> Bucket | None:
+    """The bucket a step replays in: a decode-only step (every request at most ``next_n`` new
+    tokens) of at most ``BATCH_BUCKETS[-1]`` requests (``longest``: its longest request) has one;
+    any other step runs eagerly (None)."""
     rows = batch_bucket(len(query_lens))
-    if not len(query_lens) or rows is None or (query_lens != 1).any():
+    if not len(query_lens) or rows is None or (query_lens > next_n).any():
         return None
-    return Bucket(rows, context_bucket(longest, block_size))
+    return Bucket(rows, context_bucket(longest, block_size), next_n)
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,9 @@ class PlanOptions:
 @dataclass(frozen=True)
 class Route:
     """How one step's rows are served: every decision a layer, the indexer or the runner reads."""
-    decode_reqs: np.ndarray  # [R] int64 requests with one new token, in order, padding rows included
-    contiguous: bool  # the decode rows are rows 0 .. R-1 (no gather)
+    decode_reqs: np.ndarray  # [R] int64 decode requests (next_n rows each), in order, padding rows included
+    next_n: int  # rows per decode request (1: plain decode; N + 1: a verify step)
+    contiguous: bool  # the decode rows are rows 0 .. R * next_n - 1 (no gather)
     decode_only: bool  # every row decodes (R >= 1): attention needs no scatter
     sparse_decode: bool  # decode rows take top-k + sparse MLA (a model with an indexer), else dense decode
     every_position: bool  # decode rows' top-k is every position (max_seq_len <= index_topk): no scoring
@@ -117,22 +122,28 @@ _NO_ROWS = np.zeros(0, np.int64)
 
 
 def route(query_lens: np.ndarray, context_lens: np.ndarray, first_row: np.ndarray, num_requests: int,
-          max_seq_len: int, options: PlanOptions) -> Route:
-    """Route a step: ``[B']`` int64 new tokens, cached tokens and first row per request, the first
-    ``num_requests`` real (the rest padding rows: one new token, nothing visible); ``max_seq_len``:
-    the paged-logits width (an upper bound of every request's length)."""
+          max_seq_len: int, options: PlanOptions, next_n: int = 1, new_rows: np.ndarray | None = None) -> Route:
+    """Route a step: ``[B']`` int64 rows, position of the first row (its cached tokens, but for a
+    decode request padded in front) and first row per request, the first ``num_requests`` real
+    (the rest padding requests: ``next_n`` rows, nothing visible); a request of at most ``next_n``
+    rows decodes (the plan pads each to exactly ``next_n``); ``max_seq_len``: the paged-logits width
+    (an upper bound of every request's length); ``new_rows``: ``[B']`` the rows that are the
+    requests' own new tokens (default ``query_lens``), which the statistics count."""
     k = options.index_topk
-    is_decode = query_lens == 1  # padding rows too: they come last, after every real request
+    is_decode = query_lens <= next_n  # padding rows too: they come last, after every real request
     decode_reqs = np.flatnonzero(is_decode)
     num_decode = len(decode_reqs)
+    new = query_lens if new_rows is None else new_rows
     rows = dict.fromkeys(PATHS, 0)
-    rows["sparse_decode" if k is not None else "dense_decode"] = num_decode - (len(query_lens) - num_requests)
+    real = decode_reqs[decode_reqs < num_requests]
+    rows["sparse_decode" if k is not None else "dense_decode"] = int(new[real].sum())
     sparse, mha, absorbed, workspace = (), (), (), 0
     if num_decode < len(query_lens):
         sparse, mha, absorbed, workspace = _prefill_segments(query_lens, context_lens, first_row,
                                                              np.flatnonzero(~is_decode), options, rows)
     sparse_rows = np.concatenate([np.arange(s.row0, s.row1) for s in sparse]) if sparse else _NO_ROWS
-    return Route(decode_reqs=decode_reqs, contiguous=not num_decode or int(decode_reqs[-1]) == num_decode - 1,
+    contiguous = not num_decode or int(decode_reqs[-1]) == num_decode - 1
+    return Route(decode_reqs=decode_reqs, next_n=next_n, contiguous=contiguous,
                  decode_only=0 < num_decode == len(query_lens), sparse_decode=k is not None,
                  every_position=num_decode > 0 and k is not None and max_seq_len <= k, sparse=sparse, mha=mha,
                  absorbed=absorbed, sparse_rows=sparse_rows, rows=rows, workspace_bytes=workspace)
