@@ -79,7 +79,8 @@ class _Clock:
 
     def spans(self) -> list:
         m = self.marks
-        if self.cuda:
+        if self.cuda:  # the last mark can follow work queued after the tokens' copy (the MTP pass)
+            m[-1].synchronize()
             return [a.elapsed_time(b) / 1e3 for a, b in zip(m, m[1:])]
         return [b - a for a, b in zip(m, m[1:])]
 
