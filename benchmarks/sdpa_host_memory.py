@@ -19,6 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from dsa.model.attention import MHA_SDPA_BACKENDS
 from dsa.report import env_info
@@ -33,10 +34,14 @@ def qkv(q_len: int, k_len: int):
     return q, k, torch.randn_like(k)
 
 
-def call(length: int, masked: bool):
-    if masked:  # behind a 64-token prefix: query i sees keys [0, 64 + i]
+def call(length: int, masked):
+    """SDPA of ``length`` query rows: causal (``masked`` False), or behind a 64-token prefix, query i
+    seeing keys [0, 64 + i], by a bool mask (``masked`` True) or by ``causal_lower_right`` ("lower_right":
+    what the MHA path runs)."""
+    if masked:
         q, k, v = qkv(length, length + 64)
-        mask = torch.ones(length, length + 64, dtype=torch.bool, device="cuda").tril(64)
+        mask = (causal_lower_right(length, length + 64) if masked == "lower_right" else
+                torch.ones(length, length + 64, dtype=torch.bool, device="cuda").tril(64))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.1)
     q, k, v = qkv(length, length)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.1)
@@ -48,7 +53,7 @@ def memory() -> tuple:
     return r["malloc_in_use"], r["resident_anon"]
 
 
-def sweep(lengths, label: str, backends=None, masked: bool = False) -> dict:
+def sweep(lengths, label: str, backends=None, masked=False) -> dict:
     m0, a0 = memory()
     t0 = time.perf_counter()
     for n in lengths:
@@ -104,7 +109,9 @@ def main(argv=None) -> int:
             sweep(range(812, 1012), "MHA_SDPA_BACKENDS (no cuDNN), 200 new causal lengths", MHA_SDPA_BACKENDS),
             sweep(range(1112, 1212), "default backends, 100 new masked shapes", masked=True),
             sweep(range(1262, 1362), "MHA_SDPA_BACKENDS (no cuDNN), 100 new masked shapes", MHA_SDPA_BACKENDS,
-                  masked=True)]
+                  masked=True),
+            sweep(range(1412, 1512), "MHA_SDPA_BACKENDS, causal_lower_right (the MHA path behind a prefix), "
+                  "100 new shapes", MHA_SDPA_BACKENDS, masked="lower_right")]
     speeds = [speed(n) for n in (512, 1024, 1600)]
     if args.json:
         with open(args.json, "w") as f:

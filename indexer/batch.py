@@ -60,8 +60,6 @@ class PrefillRows(Segment):
     seq_len: torch.Tensor  # [1] int32, pos0 + rows: positions visible to the last row
     valid_lens: torch.Tensor  # [rows] int32, position + 1 of each row (causal)
     slots: torch.Tensor | None = None  # [num_keys] int32 slots of positions 0 .. num_keys - 1 (the MHA path)
-    mask: torch.Tensor | None = None  # [rows, num_keys] bool, row i sees keys 0 .. pos0 + i (MHA behind a
-    # prefix, built once per step for every layer; None without a prefix: SDPA's is_causal is the same mask)
 
 
 @dataclass(frozen=True)

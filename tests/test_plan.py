@@ -256,11 +256,8 @@ def test_routing_matches_the_row_by_row_rule(case):
     assert (plan.indexer.every_position is not None) == r.every_position
     assert (plan.indexer.zeros is not None) == bool(r.sparse or r.mha)
     assert [(s.row0, s.row1) for s in plan.indexer.prefill] == [(s.row0, s.row1) for s in r.sparse]
-    for seg in plan.mha:  # the SDPA mask, built once per step: row i sees keys 0 .. pos0 + i
-        assert (seg.mask is None) == (seg.pos0 == 0)
-        if seg.mask is not None:
-            want_mask = torch.arange(seg.num_keys)[None] <= seg.pos0 + torch.arange(seg.num_rows)[:, None]
-            assert torch.equal(seg.mask, want_mask), seg
+    for seg in plan.mha:  # SDPA's bottom-right causal alignment: row i sees keys 0 .. pos0 + i
+        assert seg.num_keys == seg.pos0 + seg.num_rows, seg
 
 
 # ---- NaN poisoning: a row that no path served, or a read past a request's positions, is NaN ------
@@ -302,7 +299,7 @@ def test_mha_segments_and_workspace():
     seg, = plan.mha
     assert plan.route.rows["dense_prefill_mha"] == 40 and plan.route.workspace_bytes == 40 * 3
     assert seg.slots.tolist() == [plan.block_table[0, p // P].item() * P + p % P for p in range(40)]
-    assert seg.mask is None  # no prefix: SDPA's is_causal
+    assert seg.pos0 == 0 and seg.num_keys == 40  # no prefix: SDPA's is_causal
 
 
 def test_thresholds_file_round_trip(tmp_path):
@@ -352,3 +349,30 @@ def test_model_reads_the_thresholds_it_is_given(tmp_path):
                                                mha_kv_bytes_per_token=model.plan_options().mha_kv_bytes_per_token)
     assert DSAModel.random(DSAConfig.tiny(num_hidden_layers=1), dtype=torch.float32, device="cpu").dispatch.source \
         == "analytic"  # no file and no GPU: the analytic rule
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [
+    ([5], [2]), ([3, 4], [4, 0]), ([6, 1], [1, 5]),
+], ids=["behind-a-prefix", "prefix-and-cold", "prefix-and-decode"])
+def test_mha_behind_a_prefix_equals_absorbed(one_layer, query_lens, context_lens):
+    """The MHA path's bottom-right causal alignment (``causal_lower_right`` behind a prefix, ``is_causal``
+    without) gives the absorbed path's logits: same keys per row, fp32 (every context <= index_topk)."""
+    model, n = one_layer, len(query_lens)
+    g = torch.Generator().manual_seed(1)
+    caches = model.allocate_caches(8 * n + 3)
+    for cache in (caches.latent[0].data, caches.index[0].data):
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    out = {}
+    for name, dispatch in (("absorbed", None), ("mha", MHA_FROM_3)):
+        options = PlanOptions(index_topk=7, dispatch=dispatch, mha_kv_bytes_per_token=0)
+        plan = BatchPlan.build(query_lens, context_lens, _tables(n), P, "cpu", options=options,
+                               input_ids=torch.arange(sum(query_lens)) % 500)
+        if name == "mha":
+            assert plan.route.rows["dense_prefill_mha"] == sum(q for q in query_lens if q >= 3), plan.route
+            assert any(seg.pos0 for seg in plan.mha), "no MHA segment behind a prefix"
+        copy = model.allocate_caches(8 * n + 3)
+        for a, b in zip(copy.latent + copy.index, caches.latent + caches.index):
+            a.data.copy_(b.data)
+        out[name] = model.step(plan, copy, logits_rows=torch.arange(sum(query_lens)))
+    err = (out["mha"] - out["absorbed"]).abs().max().item()
+    assert err <= 1e-4 * out["absorbed"].abs().max().item(), f"MHA vs absorbed logits differ by {err:.3g}"

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from dsa.cache import LatentCache, write_latent
 from dsa.config import DSAConfig, layer_runs_indexer, softmax_scale
@@ -33,7 +34,10 @@ from dsa.model.parallel import TensorParallel
 # Hopper and Blackwell (sm90 / sm100, a recent cuDNN), and cuDNN attention builds one execution plan per
 # shape it meets and keeps it in a thread-local map with no bound (MHAGraphCache): a server's prefill
 # segments bring a new (query rows, keys) shape with almost every prompt, so that map grew the host's heap
-# with the requests served (issue #37). Flash and memory-efficient attention keep nothing per shape.
+# with the requests served (issue #37): 1.75 MB a new causal shape, 2.1 MB a new masked one on the H200
+# (`benchmarks/results/sdpa-host-memory-h200-2026-12-02.json`), against 6.6 kB (flash, causal) and 262 kB
+# (memory-efficient, a materialized mask) with these backends. Behind a prefix the mask is
+# `causal_lower_right`, which flash attention takes without a mask tensor.
 MHA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -159,8 +163,10 @@ class DSAAttention(nn.Module):
             v = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, len, D]: 4-D for the fused kernels
         with sdpa_kernel(MHA_SDPA_BACKENDS):  # not cuDNN: it keeps a plan per shape (MHA_SDPA_BACKENDS)
-            if seg.mask is None:  # no prefix: top-left and bottom-right causal alignment coincide
+            if not seg.pos0:  # no prefix: top-left and bottom-right causal alignment coincide
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-            else:  # the plan's bottom-right causal mask, built once for every layer
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=self.softmax_scale)
+            else:  # query i at pos0 + i sees keys 0 .. pos0 + i: bottom-right causal, no mask tensor (flash
+                # attention takes it as is; a materialized mask would send it to the efficient kernel)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(seg.num_rows, s),
+                                                   scale=self.softmax_scale)
         return o[0, ..., :c.v_head_dim].transpose(0, 1)

@@ -347,20 +347,16 @@ class HostPlan:
         return positions_to_slots(positions, d.block_table, d.row_ids, d.seq_lens, self.block_size)
 
     def _mha_rows(self, seg: Segment, block_table, seq_len, valid, zeros) -> PrefillRows:
-        """A dense MHA segment with the slots of its keys and, behind a prefix, its SDPA mask: built
-        here once for every layer."""
+        """A dense MHA segment with the slots of its keys, built here once for every layer."""
         keys = torch.arange(seg.num_keys, dtype=torch.int32, device=self.device)
         slots = positions_to_slots(keys[None], block_table[seg.req:seg.req + 1], zeros[:1], seq_len, self.block_size)[0]
-        mask = None  # no prefix: SDPA's is_causal (top-left and bottom-right alignment coincide)
-        if seg.pos0:  # query i sits at position pos0 + i and sees keys [0, pos0 + i]: bottom-right aligned
-            mask = keys[None, :] <= (seg.pos0 + torch.arange(seg.num_rows, device=self.device))[:, None]
-        return _rows(seg, block_table, seq_len, valid, slots, mask)
+        return _rows(seg, block_table, seq_len, valid, slots)
 
 
-def _rows(seg: Segment, block_table, seq_len, valid, slots=None, mask=None) -> PrefillRows:
+def _rows(seg: Segment, block_table, seq_len, valid, slots=None) -> PrefillRows:
     """``seg`` with its views: its request's table row, ``seq_len`` ``[1]``, its rows' valid lengths."""
     return PrefillRows(seg.req, seg.row0, seg.row1, seg.pos0, block_table[seg.req:seg.req + 1], seq_len,
-                       valid[seg.rows], slots, mask)
+                       valid[seg.rows], slots)
 
 
 def _logits_rows(rows, num_tokens: int) -> np.ndarray | None:
