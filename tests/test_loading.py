@@ -225,3 +225,21 @@ def test_invalid_config_json_is_named(source, tmp_path, text):
         DSAModel.from_pretrained(tmp_path, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match=r"config\.json: "):
         DSAConfig.from_hf_config(tmp_path)
+
+
+def test_meta_construction_skips_only_the_init_calls():
+    """``_SkipInit`` (the meta-device build of from_pretrained): torch.nn.init's dispatching initializers
+    leave their tensor as it is, every other op runs, and the mode is gone after its block."""
+    from torch import nn
+
+    from dsa.model.model import _SkipInit
+    t = torch.zeros(4, 3)
+    with _SkipInit():
+        for init in (nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_):
+            assert init(t) is t
+        assert nn.init.constant_(t, 2.0) is t and torch.equal(t, torch.zeros(4, 3))
+        assert torch.equal(torch.ones(2) + 1, torch.full((2,), 2.0))
+        with torch.device("meta"):
+            layer = nn.Linear(3, 4)
+        assert layer.weight.is_meta
+    assert nn.init.constant_(t, 2.0) is t and torch.equal(t, torch.full((4, 3), 2.0))

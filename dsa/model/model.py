@@ -33,6 +33,20 @@ def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if any(part in name for part in FP32_PARAMS) else dtype
 
 
+class _SkipInit(torch.overrides.TorchFunctionMode):
+    """Module constructors without torch's random init, for modules built on the meta device (no data to
+    fill: their weights are assigned right after). The init would do nothing there but cost: a meta
+    ``normal_`` runs torch's reference op, whose wrapper imports torch._dynamo (~1.5 s, once a process;
+    every ``dsa serve`` paid it). A mode, not a patch of ``torch.nn.init``: other threads are untouched."""
+
+    SKIPPED = (nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_, nn.init.constant_)  # those that dispatch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass
 class Caches:
     """One engine's paged caches: per layer a latent cache and (layers that index) an indexer key
@@ -94,7 +108,7 @@ class DSAModel(nn.Module):
         tp = init_tensor_parallel(tp_size, check_selection=tp_check)
         if tp.size > 1:
             full = cls.random(config, seed, dtype, device)
-            with torch.device("meta"):
+            with torch.device("meta"), _SkipInit():
                 model = cls(config, tp=tp)
             model.load_state_dict(shard_state_dict(full.state_dict(), model, tp), strict=True, assign=True)
             return model.finalize(dtype, device)
@@ -112,7 +126,7 @@ class DSAModel(nn.Module):
         tp = init_tensor_parallel(tp_size, check_selection=tp_check)
         config, tensors = read_pretrained(path, overrides, tp)
         shape = mtp_layer_shape(config, tensors) if config.num_nextn_predict_layers else None
-        with torch.device("meta"):
+        with torch.device("meta"), _SkipInit():
             model = cls(config, tp=tp, mtp_shape=shape)
         state = match_state_dict(tensors, {k: v.shape for k, v in model.state_dict().items()}, path)
         model.load_state_dict({k: t.to(param_dtype(k, dtype)) for k, t in state.items()}, strict=True, assign=True)

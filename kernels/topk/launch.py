@@ -243,8 +243,14 @@ def finish_tile_shapes(k: int, max_width: int, max_rows: int) -> dict:
     if max_width <= k:
         return shapes
     widths = np.arange(k + 1, max_width + 1)
+    spans = cdiv(widths, MIN_CHUNK)
+    caps = set()  # the row count acts only through the chunk cap: a row count whose cap came before adds no tile
     for r in sorted({min(max_rows, n) for n in range(1, PROGRAMS + 1)}):
-        chunks = np.minimum(cdiv(widths, MIN_CHUNK), triton.cdiv(PROGRAMS, r))
+        cap = min(triton.cdiv(PROGRAMS, r), int(spans[-1]))  # a cap above every width's span caps none
+        if cap in caps:
+            continue
+        caps.add(cap)
+        chunks = np.minimum(spans, cap)
         per_region = (k + Z * np.sqrt(k * widths / SAMPLE)) / 64 / chunks
         w = np.minimum(LBLOCK, 2 ** np.ceil(np.log2((2 * per_region).astype(np.int64) + 8))).astype(np.int64)
         cb = np.maximum(1, np.minimum(2 ** np.ceil(np.log2(chunks)).astype(np.int64), LBLOCK // w))
