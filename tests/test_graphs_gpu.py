@@ -149,27 +149,37 @@ def test_verify_replay_is_bitwise_the_eager_step_at_the_same_padded_shapes(model
     assert checked and all(checked), checked
 
 
+@pytest.mark.parametrize("drafter", ["scripted", "mtp"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
-def test_no_host_sync_inside_a_verify_step(model, monkeypatch, graphs):
+def test_no_host_sync_inside_a_speculating_step(model, monkeypatch, graphs, drafter):
+    """The whole step, draft (the MTP module's passes or the scripted drafts' upload), verify, the
+    rejection sampler's arguments and the MTP module's pass over the verify rows, enqueues without a
+    host sync; the tokens are read when the step finishes."""
+    from dsa.engine import speculative
     p, n = [_prompts()[0]], 2
     ref = Engine(model, num_blocks=16, cuda_graphs=False).generate(p, 10)
-    engine = Engine(model, num_blocks=16, cuda_graphs=graphs, speculative_tokens=n, drafter=_scripted(model, p, ref, n))
-    runner, results = engine.runner, []
-    verify = runner.run_verify
+    if drafter == "mtp":
+        target = DSAModel.random(model.config.replace(num_nextn_predict_layers=1), seed=0, dtype=torch.bfloat16,
+                                 device="cuda")
+        engine = Engine(target, num_blocks=16, cuda_graphs=graphs, speculative_tokens=n)
+    else:
+        engine = Engine(model, num_blocks=16, cuda_graphs=graphs, speculative_tokens=n,
+                        drafter=_scripted(model, p, ref, n))
+    launch, steps = speculative.launch, []
 
-    def guarded(out, drafts, hidden=False):
-        if results:  # the first verify step captures (graph) or compiles (eager) outside the check
+    def guarded(eng, out):
+        if steps:  # the first speculating step captures (graph) or compiles (eager) outside the check
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
         try:
-            results.append(verify(out, drafts, hidden))
+            steps.append(launch(eng, out))
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        return results[-1]
+        return steps[-1]
 
-    monkeypatch.setattr(runner, "run_verify", guarded)
+    monkeypatch.setattr(speculative, "launch", guarded)
     assert len(engine.generate(p, 10)[0]) == 10
-    assert len(results) > 2 and all(r.graph == graphs and torch.isfinite(r.logits).all() for r in results[1:])
+    assert len(steps) > 2 and engine.stats.graph_steps == (engine.stats.steps - 1 if graphs else 0)
 
 
 def test_warmup_captures_every_verify_bucket_and_later_steps_only_replay(model):

@@ -60,6 +60,35 @@ def test_past_the_slot_limit_it_waits_for_the_oldest_copy():
     assert again.event is None and again.held
 
 
+@pytest.mark.parametrize("max_slots", [1, 3, 9], ids=lambda n: f"max{n}")
+def test_max_slots_buffers_in_flight_before_a_taker_waits(max_slots):
+    s = PinnedBuffers("cpu", torch.int64, event_factory=FakeEvent, max_slots=max_slots)
+    slots = [s.take(8) for _ in range(max_slots)]
+    for slot in slots:
+        s.give_back(slot, copied=True)
+    WAITED.clear()
+    oldest = slots[0].event
+    assert s.take(8) is slots[0] and WAITED == [oldest] and len(s.slots) == max_slots
+
+
+@pytest.mark.parametrize("array,dtype", [
+    (np.array([3, -1, 7], np.int32), torch.int64), (np.array([True, False]), torch.int64),
+    (np.array([[1.5, 2.0]], np.float64), torch.float32), (np.zeros(0, np.int64), torch.int64),
+], ids=["int32", "bool", "float64", "empty"])
+def test_runner_upload_widens_and_copies(array, dtype):
+    """``ModelRunner.upload``: a speculating step's small arrays as int64 or float32, a copy of the
+    host array (on the CPU; on CUDA a non-blocking copy from a pinned buffer)."""
+    from dsa import DSAConfig, DSAModel
+    from dsa.engine.runner import ModelRunner
+    runner = ModelRunner(DSAModel.random(DSAConfig.tiny(num_hidden_layers=1), dtype=torch.float32, device="cpu"), 8)
+    got = runner.upload(array)
+    want = torch.from_numpy(np.array(array)).to(dtype)
+    assert got.dtype == dtype and got.shape == want.shape and torch.equal(got, want), (got, want)
+    if array.size:
+        array.flat[0] = 0  # the caller's array, changed after the upload
+        assert torch.equal(got, want), "upload kept a view of the caller's array"
+
+
 @pytest.mark.parametrize("seed", [0, 1], ids=lambda s: f"seed{s}")
 def test_changing_sizes_use_a_few_buffers_that_only_grow(seed):
     rng = random.Random(seed)

@@ -22,6 +22,8 @@ with scripted mismatches.
 import numpy as np
 import torch
 
+from dsa.model.plan import HostPlan
+
 
 def _sampled_rows(out) -> tuple:
     """``(step index of each sampled request, its drafts)`` as int64 arrays."""
@@ -52,16 +54,18 @@ class MTPDrafter:
         if not len(spec):
             return drafts
         rows = batch.rows([out.rids[i] for i in req[spec]])
-        rows_t = torch.from_numpy(rows).to(device)
-        idx = torch.from_numpy(spec).to(device)
+        rows_t = runner.upload(rows)
+        idx = runner.upload(spec)
         tok, h = self.first[rows_t], self.hidden[rows_t]
         drafts[idx, 0] = tok
         c = np.asarray(out.computed, np.int64)[req[spec]]  # the position of each one's last token
         for j in range(2, int(k.max()) + 1):  # draft j at position c + j - 1, from the module's row at c + j - 2
             live = np.flatnonzero(k[spec] >= j)
             width = max(int(batch.num_blocks[rows[live]].max()), 1)
-            plan = model.plan([1] * len(live), c[live] + j - 2, batch.block_table[rows[live], :width])
-            sel = torch.from_numpy(live).to(device)
+            host = HostPlan.pack([1] * len(live), c[live] + j - 2, batch.block_table[rows[live], :width],
+                                 model.config.block_size, device, options=runner.plan_options)
+            plan = host.derive(host.upload(staging=runner.staging))  # a pinned buffer of the runner's
+            sel = runner.upload(live)
             logits, y = model.mtp_step(plan, runner.caches, tok[sel], h[sel])
             tok, h = tok.clone(), h.clone()
             tok[sel], h[sel] = logits.argmax(dim=-1), y
@@ -74,18 +78,18 @@ class MTPDrafter:
         last row, the next prompt token of a chunk; the sampled request's emitted token at its last
         accepted row), the first draft of each sampled request from that row."""
         req, _ = _sampled_rows(out)
-        device, batch = self.model.device, runner.batch
+        batch = runner.batch
         q, c = np.asarray(out.num_rows, np.int64), np.asarray(out.computed, np.int64)
         nxt = torch.roll(result.ids.long(), -1)
         after = batch.token_ids[result.rows, np.minimum(c + q, batch.token_ids.shape[1] - 1)].clip(0)
-        nxt[torch.from_numpy(result.last).to(device)] = torch.from_numpy(after.astype(np.int64)).to(device)
+        nxt[runner.upload(result.last)] = runner.upload(after)
         if len(req):
-            anchor = torch.from_numpy(result.base).to(device) + accepted
+            anchor = runner.upload(result.base) + accepted
             nxt[anchor] = tokens.gather(1, accepted[:, None])[:, 0]
         logits, y = self.model.mtp_step(result.plan, runner.caches, nxt, result.hidden,
                                         logits_rows=anchor if len(req) else None)
         if len(req):
-            rows = torch.from_numpy(result.rows[req]).to(device)
+            rows = runner.upload(result.rows[req])
             self.first[rows] = logits.argmax(dim=-1)
             self.hidden[rows] = y[anchor]
 
@@ -102,7 +106,8 @@ class ScriptedDrafter:
     def __init__(self, propose_fn, num_tokens: int, vocab_size: int, wrong=lambda step, j: False):
         self.propose_fn, self.n, self.vocab_size, self.wrong = propose_fn, num_tokens, vocab_size, wrong
         self.calls = 0
-        self.proposed = self.accepted = 0  # drafts proposed and accepted so far (the tests read them)
+        self.proposed = 0  # drafts proposed so far (the tests read it, and ``accepted``)
+        self._accepted = 0  # on the device once a step ran: read by ``accepted``, never inside a step
 
     def propose(self, runner, out) -> torch.Tensor:
         req, k = _sampled_rows(out)
@@ -117,7 +122,12 @@ class ScriptedDrafter:
                 drafts[s, j] = (t + 1) % self.vocab_size if self.wrong(self.calls, j) else t
             self.calls += 1
         self.proposed += int(k.sum())
-        return torch.from_numpy(drafts).to(runner.model.device)
+        return runner.upload(drafts)
 
     def observe(self, runner, out, result, tokens, accepted) -> None:
-        self.accepted += int(accepted.sum())
+        self._accepted = self._accepted + accepted.sum()
+
+    @property
+    def accepted(self) -> int:
+        """Drafts accepted so far (a host read: call it between steps)."""
+        return int(self._accepted)

@@ -447,7 +447,7 @@ class Engine:
         """:meth:`_finish_step` of a speculating step: each request's accepted drafts and one more token,
         cut after the first that stops it (EOS, a stop token or string, its length limit)."""
         n = self.speculative_tokens
-        rows = step.packed.tolist()
+        rows = step.packed.rows()
         results, reasons, kept = [], [], []
         for sampled, row in zip(step.sampled, rows):
             req, a = sampled.request, int(row[n + 1])

@@ -29,7 +29,7 @@ import torch
 
 from dsa.engine.input_batch import InputBatch
 from dsa.engine.sampling import SamplingBatch
-from dsa.engine.staging import PinnedBuffers
+from dsa.engine.staging import MAX_SLOTS, PinnedBuffers
 from dsa.kernels.common import cdiv, check_int
 from dsa.kernels.topk import warm_topk_slots
 from dsa.model.layers import MoE
@@ -103,7 +103,12 @@ class ModelRunner:
         longest = c.max_position_embeddings if max_model_len is None else max_model_len  # a request's tokens
         self.batch = InputBatch(max_num_seqs, min(longest, num_blocks * c.block_size), cdiv(longest, c.block_size),
                                 c.vocab_size)
-        self.staging = PinnedBuffers(model.device, torch.int32)  # each step's packed plan, on its way up
+        # each step's packed plan, on its way up (a speculating step's drafter packs N - 1 more)
+        self.staging = PinnedBuffers(model.device, torch.int32, max_slots=MAX_SLOTS + self.next_n)
+        # a speculating step's small index and parameter arrays (drafter, rejection sampler), on their way up:
+        # ~12 copies a step, each buffer free again once the step's tokens are read
+        self.uploads = {np.dtype(np.int64): PinnedBuffers(model.device, torch.int64, max_slots=32),
+                        np.dtype(np.float32): PinnedBuffers(model.device, torch.float32, max_slots=8)}
 
     def run(self, out, previous=None) -> StepResult:
         """Run a :class:`~dsa.engine.scheduler.SchedulerOutput`: its deltas into the batch first,
@@ -154,6 +159,14 @@ class ModelRunner:
         if verify:
             return self.model.step(plan, self.caches, logits_rows=plan.logits_rows, return_hidden=True)
         return self.model.step(plan, self.caches, logits_rows=plan.logits_rows), None
+
+    def upload(self, array) -> torch.Tensor:
+        """A small host array on the device without a host sync (a pageable ``.to(device)`` waits for the
+        stream): int64 (other ints and bools widened) or float32, by a non-blocking copy from a pinned
+        buffer of :attr:`uploads`; on the CPU a copy of the array."""
+        a = np.asarray(array)
+        return self.uploads[np.dtype(np.float32 if a.dtype.kind == "f" else np.int64)].copy_to(
+            np.array(a, np.float32 if a.dtype.kind == "f" else np.int64))
 
     def run_verify(self, out, drafts: torch.Tensor | None, hidden: bool = False) -> "VerifyResult":
         """Run a step of a speculating engine (its deltas already applied: :meth:`InputBatch.apply`):

@@ -299,14 +299,18 @@ class PendingSample:
         else:
             self._host = packed
 
-    def result(self) -> tuple:
-        """``(tokens: list[int], logprobs: list[Logprob | None])``."""
+    def rows(self) -> list:
+        """The packed rows as host lists (waits for their copy alone)."""
         if self._rows is None:
             if self._event is not None:
                 self._event.synchronize()
             self._rows = self._host.tolist()
             self._release()
-        rows = self._rows
+        return self._rows
+
+    def result(self) -> tuple:
+        """``(tokens: list[int], logprobs: list[Logprob | None])``."""
+        rows = self.rows()
         if self.n is None:
             return [int(r[0]) for r in rows], [None] * len(rows)
         n, out = self.n, []

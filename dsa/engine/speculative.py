@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dsa.engine.rejection import rejection_sample
-from dsa.engine.sampling import position_keys
+from dsa.engine.sampling import PendingSample, position_keys
 
 
 @dataclass
@@ -89,7 +89,7 @@ class _Clock:
 class VerifiedStep:
     """A speculating step on its way to the host."""
     sampled: list  # SampledRow
-    packed: torch.Tensor  # [S, N + 2] int64: tokens, then accepted
+    packed: PendingSample  # its rows [S, N + 2]: tokens, then accepted, on their way to the host
     clock: _Clock
     num_drafts: np.ndarray  # [S] drafts each sampled request carried
 
@@ -101,12 +101,10 @@ def rejection_args(runner, out, result, n: int, vocab_hash: torch.Tensor) -> dic
     rows, sr = result.rows[req], runner.batch.sampling
     index = np.fromiter((x.index for x in out.sampled), np.int64, len(out.sampled))
     k1, k2 = position_keys(sr.seed_key[rows][:, None], index[:, None] + np.arange(n + 1)[None, :])
-    dev = runner.model.device
-    f32 = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(dev)  # noqa: E731
-    return dict(temperature=f32(sr.temperature[rows]), top_k=torch.from_numpy(sr.top_k[rows]).to(dev),
-                top_p=f32(sr.top_p[rows]), min_p=f32(sr.min_p[rows]), greedy=torch.from_numpy(sr.greedy[rows]).to(dev),
-                keys=torch.from_numpy(np.stack((k1, k2), axis=-1).astype(np.int64)).to(dev), vocab_hash=vocab_hash,
-                sort=bool((sr.sorts[rows] & ~sr.greedy[rows]).any()))
+    f32, up = (lambda a: runner.upload(np.asarray(a, np.float32))), runner.upload
+    return dict(temperature=f32(sr.temperature[rows]), top_k=up(sr.top_k[rows]), top_p=f32(sr.top_p[rows]),
+                min_p=f32(sr.min_p[rows]), greedy=up(sr.greedy[rows]).bool(), keys=up(np.stack((k1, k2), axis=-1)),
+                vocab_hash=vocab_hash, sort=bool((sr.sorts[rows] & ~sr.greedy[rows]).any()))
 
 
 def launch(engine, out) -> VerifiedStep:
@@ -128,7 +126,8 @@ def launch(engine, out) -> VerifiedStep:
         s.rows[path] += rows
     s.peak_workspace_bytes = max(s.peak_workspace_bytes, result.workspace_bytes)
     s.graph_steps += result.graph
-    packed = torch.cat((tokens, accepted[:, None]), dim=1).cpu() if len(out.sampled) else torch.zeros(0, n + 2)
+    packed = torch.cat((tokens, accepted[:, None]), dim=1) if len(out.sampled) else torch.zeros(0, n + 2)
+    packed = PendingSample(tokens, packed.double(), None, None, engine.sampler.staging)  # read when the step finishes
     k = np.asarray(out.num_drafts, np.int64)[[x.row for x in out.sampled]] if out.sampled else np.zeros(0, np.int64)
     return VerifiedStep(out.sampled, packed, clock, k)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-MAX_SLOTS = 4  # with this many buffers, a taker waits for a given-back one's copy rather than pin another
+MAX_SLOTS = 4  # by default, with this many buffers a taker waits for a given-back one's copy rather than pin another
 
 
 @dataclass
@@ -31,7 +31,8 @@ class PinnedBuffers:
     :meth:`take` a slot, fill or read ``slot.buffer[:n]``, :meth:`give_back` it; a slot is never
     handed out while held or while the copy recorded at its return may still run."""
 
-    def __init__(self, device, dtype: torch.dtype, event_factory=None):
+    def __init__(self, device, dtype: torch.dtype, event_factory=None, max_slots: int = MAX_SLOTS):
+        self.max_slots = max_slots  # buffers in flight before a taker waits (copies a step enqueues)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.dtype = dtype
@@ -44,7 +45,7 @@ class PinnedBuffers:
         ready = [s for s in free if s.event is None or s.event.query()]
         if ready:
             slot = ready[0]
-        elif free and len(self.slots) >= MAX_SLOTS:
+        elif free and len(self.slots) >= self.max_slots:
             slot = free[0]
             slot.event.synchronize()
         else:
