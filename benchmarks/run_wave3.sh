@@ -9,6 +9,10 @@
 #   m: tests/test_model_gpu.py alone
 #   k: a soak (dsa bench serve --soak: SOAK requests of the mix, default 2000, concurrency 64; 4000 took 155 s
 #      on the H200, so SOAK=8000 is the 5-minute soak of issue #26) against a cold server
+#   K: the long soak detached (setsid): SOAK requests (default 12000) against a server bench serve starts with
+#      the default pool (issue #37 target b: past the pool's filling, ~9 min); W: wait for it (WAIT seconds,
+#      default 540) and copy soak-long.{json,log} and its memory figure to $OUT: `SOAK=12000 ... K`, then `... W`
+#      in the next calls until the log says "wrote"
 #   x: SIGTERM under load: 64 streams of 4000 tokens, SIGTERM after 15 s (--shutdown-timeout 5): the
 #      exit code and seconds, and how every stream ended
 #   w: the serving workloads of issue #25 (64 x 8K, 16 x 32K, 16 questions on one 32K document, ITL at 32K)
@@ -91,6 +95,22 @@ if [[ $PARTS == *k* ]]; then  # SOAK requests (default 2000); SOAK_BLOCKS: a poo
     | tee -a "$LOG"
   curl -s http://127.0.0.1:8123/metrics | grep -E "^dsa_(resident|host_structure|gc_|kernel_compiles_after)" | tee -a "$LOG"
   serve_down soak
+fi
+if [[ $PARTS == *K* ]]; then  # the long soak, detached (it outlives the call): SOAK requests (default 12000) on
+  # the default pool, the server started by bench serve itself; W waits for it in later calls
+  say "soak, detached: ${SOAK:-12000} requests"
+  rm -f /tmp/soak-long.json /tmp/soak-long-memory.png
+  setsid nohup python3 -m dsa bench serve --preset demo-gpu --soak --num-requests ${SOAK:-12000} --concurrency 64 \
+    --input-len-range 16 4096 --max-tokens-range 1 128 --ready-timeout 400 --json /tmp/soak-long.json \
+    > /tmp/soak-long.log 2>&1 &
+  echo $! > /tmp/soak-long.pid
+  sleep 30; grep -v "req/s\]" /tmp/soak-long.log | tail -3
+fi
+if [[ $PARTS == *W* ]]; then  # wait for the detached soak (WAIT seconds at most, default 540); its files to $OUT
+  t0=$SECONDS
+  while kill -0 "$(cat /tmp/soak-long.pid)" 2>/dev/null && [ $((SECONDS - t0)) -lt ${WAIT:-540} ]; do sleep 10; done
+  tr '\r' '\n' < /tmp/soak-long.log | grep -v "req/s\]" | tail -12 | tee -a "$LOG"
+  for f in /tmp/soak-long.json /tmp/soak-long-memory.png /tmp/soak-long.log; do [ -f "$f" ] && cp "$f" "$OUT/"; done
 fi
 if [[ $PARTS == *x* ]]; then
   serve_up sigterm --shutdown-timeout 5
