@@ -99,8 +99,9 @@ def _install_interpreter_speedup():
     import triton.language as tl
     from triton.runtime import interpreter as interp
 
-    if getattr(interp, "_dsa_fast_patch", False):
-        return
+    if getattr(interp, "_dsa_fast_patch", False) or not all(
+            hasattr(interp, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
+        return  # another triton's interpreter: it runs as it is, only slower
     patch_lang, launch = interp._patch_lang, interp.GridExecutor.__call__
     running = []  # per launch in progress: None until it patched, then the ids of the modules patched since
     seen = {}
