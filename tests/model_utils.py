@@ -25,3 +25,15 @@ def sharp_model(config, seed: int) -> DSAModel:
         for layer in m.all_layers():
             layer.self_attn.absorb()
     return m
+
+
+def greedy_oracle(prompts, outputs):
+    """A :class:`~dsa.engine.drafter.ScriptedDrafter` ``propose_fn``: the target's own greedy
+    continuation of a request's tokens, from the reference ``outputs`` (0 past their end)."""
+    def propose(tokens, k):
+        for p, out in zip(prompts, outputs):
+            if tokens[:len(p)] == p:
+                done = len(tokens) - len(p)
+                return (list(out) + [0] * k)[done:done + k]
+        raise AssertionError(f"no prompt starts {tokens[:6]}")
+    return propose

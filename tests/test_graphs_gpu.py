@@ -9,6 +9,7 @@ from dsa import DSAConfig, DSAModel, Engine
 from dsa.engine.drafter import ScriptedDrafter
 from dsa.model.plan import Bucket, HostPlan
 from dsa.model.route import batch_bucket, context_bucket
+from tests.model_utils import greedy_oracle
 
 pytestmark = pytest.mark.gpu
 
@@ -103,13 +104,8 @@ def test_warmup_captures_every_decode_bucket_and_later_steps_only_replay(model):
 
 def _scripted(model, prompts, outputs, n):
     """Drafts: the eager engine's own tokens, draft j of proposal c wrong when j == c % (N + 1)."""
-    def propose(tokens, k):
-        for p, out in zip(prompts, outputs):
-            if tokens[:len(p)] == p:
-                done = len(tokens) - len(p)
-                return (list(out) + [0] * k)[done:done + k]
-        raise AssertionError("no prompt starts the tokens")
-    return ScriptedDrafter(propose, n, model.config.vocab_size, wrong=lambda count, j: j == count % (n + 1))
+    return ScriptedDrafter(greedy_oracle(prompts, outputs), n, model.config.vocab_size,
+                           wrong=lambda count, j: j == count % (n + 1))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3], ids=lambda n: f"N{n}")

@@ -10,7 +10,7 @@ from dsa.model.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 from dsa.model.mtp import mtp_logits
 from dsa.model.presets import PRESETS, default_model
 from dsa.serve.tokenizer import ByteTokenizer
-from tests.model_utils import prompt, sharp_model, tiny_model
+from tests.model_utils import greedy_oracle, prompt, sharp_model, tiny_model
 
 V = BYTE_VOCAB_SIZE
 BYTES = dict(vocab_size=V, bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID)
@@ -36,20 +36,9 @@ def reference(model):
     return out
 
 
-def oracle(prompts, outputs):
-    """The target's own greedy continuation of a request's tokens (0 past the reference's end)."""
-    def propose(tokens, k):
-        for p, out in zip(prompts, outputs):
-            if tokens[:len(p)] == p:
-                done = len(tokens) - len(p)
-                return (list(out) + [0] * k)[done:done + k]
-        raise AssertionError(f"no prompt starts {tokens[:6]}")
-    return propose
-
-
 def scripted(n, prompts, outputs, vocab=V):
     """Proposal c rejects draft c % (N + 1) (none when that is N): every accepted length 0..N occurs."""
-    return ScriptedDrafter(oracle(prompts, outputs), n, vocab, wrong=lambda count, j: j == count % (n + 1))
+    return ScriptedDrafter(greedy_oracle(prompts, outputs), n, vocab, wrong=lambda count, j: j == count % (n + 1))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3], ids=lambda n: f"N{n}")
@@ -72,7 +61,8 @@ def test_greedy_tokens_are_identical_with_the_mtp_module(model, reference, n):
 def test_max_tokens_inside_a_draft(model, reference):
     n = 3
     params = [SamplingParams(max_tokens=m, temperature=0) for m in (1, 2, 6)]  # 6: the last step has 1 draft
-    e = Engine(model, num_blocks=64, speculative_tokens=n, drafter=ScriptedDrafter(oracle(_prompts(), reference), n, V))
+    e = Engine(model, num_blocks=64, speculative_tokens=n,
+               drafter=ScriptedDrafter(greedy_oracle(_prompts(), reference), n, V))
     got = e.generate(_prompts(), sampling=params)
     assert got == [r[:p.max_tokens] for r, p in zip(reference, params)]
 
@@ -86,7 +76,7 @@ def test_stop_token_and_stop_string_inside_a_draft(model, reference):
     for params in (stop_tok, stop_str):
         plain = Engine(model, num_blocks=64, tokenizer=tok).stream(prompts, sampling=params)
         spec = Engine(model, num_blocks=64, tokenizer=tok, speculative_tokens=n,
-                      drafter=ScriptedDrafter(oracle(prompts, reference), n, V)).stream(prompts, sampling=params)
+                      drafter=ScriptedDrafter(greedy_oracle(prompts, reference), n, V)).stream(prompts, sampling=params)
         want, got = _collect(plain), _collect(spec)
         assert got == want
         assert all(reason == "stop" for _, _, reason in want.values()) or params is stop_str
@@ -126,7 +116,8 @@ def test_demo_cpu_shapes(reference):
 
 def test_stats_report_acceptance(model, reference):
     n = 2
-    e = Engine(model, num_blocks=64, speculative_tokens=n, drafter=ScriptedDrafter(oracle(_prompts(), reference), n, V))
+    e = Engine(model, num_blocks=64, speculative_tokens=n,
+               drafter=ScriptedDrafter(greedy_oracle(_prompts(), reference), n, V))
     e.generate(_prompts(), NEW)
     d = e.stats.spec.as_dict()
     assert d["acceptance"] == 1.0 and d["acceptance_by_position"] == [1.0, 1.0], d
@@ -208,7 +199,7 @@ def test_bench_rows_on_cpu(model, capsys):
 @pytest.mark.parametrize("drafter", ["mtp", "scripted"])
 def test_chunked_prefill_steps_without_a_sampled_row(model, reference, drafter):
     """max_batch_tokens = 7: some steps only prefill a chunk (nothing samples, nothing is verified)."""
-    d = None if drafter == "mtp" else ScriptedDrafter(oracle(_prompts(), reference), 2, V)
+    d = None if drafter == "mtp" else ScriptedDrafter(greedy_oracle(_prompts(), reference), 2, V)
     e = Engine(model, num_blocks=64, max_batch_tokens=7, speculative_tokens=2, drafter=d)
     assert e.generate(_prompts(), NEW) == reference
     assert e.stats.prefill_chunks > len(LENGTHS)

@@ -21,7 +21,7 @@ from dsa.model.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 from dsa.model.plan import Bucket, HostPlan
 from dsa.model.presets import PRESETS
 from dsa.model.route import graph_bucket
-from tests.model_utils import prompt, sharp_model
+from tests.model_utils import greedy_oracle, prompt, sharp_model
 
 V = BYTE_VOCAB_SIZE
 BYTES = {"vocab_size": V, "bos_token_id": BYTE_BOS_ID, "eos_token_id": BYTE_EOS_ID}
@@ -126,13 +126,7 @@ def _check_cache_rows(layer: int, before: tuple, want: tuple, got: tuple, writte
 
 def _oracle_drafter(prompts, outputs, n, wrong=lambda count, j: j == count % 3):
     """The target's own greedy tokens as drafts, with scripted mismatches (accepted lengths vary)."""
-    def propose(tokens, k):
-        for p, out in zip(prompts, outputs):
-            if tokens[:len(p)] == p:
-                done = len(tokens) - len(p)
-                return (list(out) + [0] * k)[done:done + k]
-        raise AssertionError(f"no prompt starts {tokens[:6]}")
-    return ScriptedDrafter(propose, n, V, wrong=wrong)
+    return ScriptedDrafter(greedy_oracle(prompts, outputs), n, V, wrong=wrong)
 
 
 PROMPTS = [prompt(n, 50 + n, vocab=256) for n in (5, 14, 23)]
