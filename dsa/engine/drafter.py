@@ -22,8 +22,6 @@ with scripted mismatches.
 import numpy as np
 import torch
 
-from dsa.model.plan import HostPlan
-
 
 def _sampled_rows(out) -> tuple:
     """``(step index of each sampled request, its drafts)`` as int64 arrays."""
@@ -62,9 +60,8 @@ class MTPDrafter:
         for j in range(2, int(k.max()) + 1):  # draft j at position c + j - 1, from the module's row at c + j - 2
             live = np.flatnonzero(k[spec] >= j)
             width = max(int(batch.num_blocks[rows[live]].max()), 1)
-            host = HostPlan.pack([1] * len(live), c[live] + j - 2, batch.block_table[rows[live], :width],
-                                 model.config.block_size, device, options=runner.plan_options)
-            plan = host.derive(host.upload(staging=runner.staging))  # a pinned buffer of the runner's
+            plan = model.plan([1] * len(live), c[live] + j - 2, batch.block_table[rows[live], :width],
+                              staging=runner.staging)
             sel = runner.upload(live)
             logits, y = model.mtp_step(plan, runner.caches, tok[sel], h[sel])
             tok, h = tok.clone(), h.clone()

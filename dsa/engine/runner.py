@@ -165,8 +165,8 @@ class ModelRunner:
         stream): int64 (other ints and bools widened) or float32, by a non-blocking copy from a pinned
         buffer of :attr:`uploads`; on the CPU a copy of the array."""
         a = np.asarray(array)
-        return self.uploads[np.dtype(np.float32 if a.dtype.kind == "f" else np.int64)].copy_to(
-            np.array(a, np.float32 if a.dtype.kind == "f" else np.int64))
+        dtype = np.dtype(np.float32 if a.dtype.kind == "f" else np.int64)
+        return self.uploads[dtype].copy_to(np.array(a, dtype))
 
     def run_verify(self, out, drafts: torch.Tensor | None, hidden: bool = False) -> "VerifyResult":
         """Run a step of a speculating engine (its deltas already applied: :meth:`InputBatch.apply`):

@@ -101,9 +101,9 @@ def rejection_args(runner, out, result, n: int, vocab_hash: torch.Tensor) -> dic
     rows, sr = result.rows[req], runner.batch.sampling
     index = np.fromiter((x.index for x in out.sampled), np.int64, len(out.sampled))
     k1, k2 = position_keys(sr.seed_key[rows][:, None], index[:, None] + np.arange(n + 1)[None, :])
-    f32, up = (lambda a: runner.upload(np.asarray(a, np.float32))), runner.upload
-    return dict(temperature=f32(sr.temperature[rows]), top_k=up(sr.top_k[rows]), top_p=f32(sr.top_p[rows]),
-                min_p=f32(sr.min_p[rows]), greedy=up(sr.greedy[rows]).bool(), keys=up(np.stack((k1, k2), axis=-1)),
+    up = runner.upload  # floats as float32, ints and bools as int64
+    return dict(temperature=up(sr.temperature[rows]), top_k=up(sr.top_k[rows]), top_p=up(sr.top_p[rows]),
+                min_p=up(sr.min_p[rows]), greedy=up(sr.greedy[rows]).bool(), keys=up(np.stack((k1, k2), axis=-1)),
                 vocab_hash=vocab_hash, sort=bool((sr.sorts[rows] & ~sr.greedy[rows]).any()))
 
 

@@ -216,9 +216,11 @@ class DSAModel(nn.Module):
                     * self.embed_tokens.weight.element_size())  # up-projected K/V per context token (MHA path)
         return PlanOptions(index_topk=c.index_topk, dispatch=self.dispatch, mha_kv_bytes_per_token=kv_bytes)
 
-    def plan(self, query_lens, context_lens, block_tables, input_ids=None) -> BatchPlan:
+    def plan(self, query_lens, context_lens, block_tables, input_ids=None, staging=None) -> BatchPlan:
+        """:meth:`BatchPlan.build` with the model's block size, device and options (``staging``: a
+        :class:`~dsa.engine.staging.PinnedBuffers` of int32 for the upload, as an engine's runner holds)."""
         return BatchPlan.build(query_lens, context_lens, block_tables, self.config.block_size, self.device,
-                               options=self.plan_options(), input_ids=input_ids)
+                               options=self.plan_options(), input_ids=input_ids, staging=staging)
 
     # ---- running -------------------------------------------------------------------------
     @torch.no_grad()

@@ -205,12 +205,12 @@ class BatchPlan:
     @classmethod
     def build(cls, query_lens, context_lens, block_tables, block_size: int, device, *,
               options: PlanOptions = PlanOptions(), input_ids=None, out: torch.Tensor | None = None,
-              next_n: int = 1, logits_rows=None) -> "BatchPlan":
+              next_n: int = 1, logits_rows=None, staging=None) -> "BatchPlan":
         """Plan one step: :meth:`HostPlan.pack` (host), one upload (into ``out``, an int32 device
-        buffer, when given), :meth:`HostPlan.derive` (device)."""
+        buffer, when given; from a buffer of ``staging`` when given), :meth:`HostPlan.derive` (device)."""
         host = HostPlan.pack(query_lens, context_lens, block_tables, block_size, device, options=options,
                              input_ids=input_ids, next_n=next_n, logits_rows=logits_rows)
-        return host.derive(host.upload(out))
+        return host.derive(host.upload(out, staging))
 
 
 @dataclass
