@@ -25,11 +25,8 @@ def prefix_cache() -> str:
         n = random.randint(16, 4096)
         req = Request(i, [random.randrange(256) for _ in range(n)], n, 64)
         s.add(req)
-        out = s.schedule()
-        for r, rows in zip(out.requests, out.num_rows):
-            s.advance(r, rows)
-            s.name_blocks(r)
-        s.finish(req)
+        out = s.schedule()  # the whole prompt in one step; its last row samples
+        s.update([(row, 0, True) for row in out.sampled])  # which ends it: its named blocks stay cached
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - base
     cached = len(s.blocks.name_of)

@@ -40,6 +40,7 @@ spec() {  # name [bench engine flags]
 [[ $PARTS == *m* ]] && bench mla 120
 [[ $PARTS == *k* ]] && bench topk 90
 [[ $PARTS == *i* ]] && bench indexer 90
+[[ $PARTS == *v* ]] && { spec default; spec demo-gpu --preset demo-gpu --draft-acceptance 0.7; }
 [[ $PARTS == *g* ]] && timeout 560 python -m dsa bench long --lengths 131072,262144,524288,1048576 --out "$OUT" \
   --git-sha "$SHA" 2>&1 | tee -a "$OUT/bench-long.log" | grep -v "^long_prefill"
 [[ $PARTS == *s* ]] && serve_long 1048576 "serve-1m-h200-$(date -u +%F).json" 560

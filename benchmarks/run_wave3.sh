@@ -33,9 +33,11 @@ PARTS=${1:-tsg}
 OUT=${OUT:-benchmarks/results}
 export PYTHONUNBUFFERED=1
 LOG=$OUT/wave3.log
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN
 export PYTHONPATH=/tmp/site
-python3 -m pip install --no-build-isolation --no-deps -q -e . 2>&1 | grep -v WARNING
+if [[ $PARTS != W ]]; then  # W alone installs nothing: the detached soak it waits for runs from these files
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN
+  python3 -m pip install --no-build-isolation --no-deps -q -e . 2>&1 | grep -v WARNING
+fi
 say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 serve_up() {  # name [dsa serve flags]: start dsa serve on port 8123, wait for /health, log the seconds
   local t0=$(date +%s%N)

@@ -1,9 +1,13 @@
 """The block manager: blocks on demand, refusal without change, release, cached blocks evicted
 least recently used first, in-flight prefix names. The manager returns what it hands out and
 never writes a request (the scheduler does: here the test, as the scheduler would)."""
+import gc
+import random
+from collections import OrderedDict
+
 import pytest
 
-from dsa.engine.blocks import BlockManager, CacheFullError
+from dsa.engine.blocks import BlockManager, CacheFullError, EvictionOrder
 from dsa.engine.scheduler import Request
 
 
@@ -96,3 +100,39 @@ def test_a_freed_request_leaves_no_in_flight_names():
     assert m.in_flight_prefix(b)
     m.free(a)
     assert not m.in_flight_prefix(b) and not m.in_flight
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2], ids=["seed0", "seed1", "seed2"])
+def test_eviction_order_matches_an_ordered_dict(seed):
+    rng, n = random.Random(seed), 37
+    order, model = EvictionOrder(n), OrderedDict()
+    for _ in range(3000):
+        b = rng.randrange(n)
+        op = rng.random()
+        if op < 0.45 and b not in model:
+            order.append(b)
+            model[b] = None
+        elif op < 0.8:
+            order.discard(b)
+            model.pop(b, None)
+        elif model:
+            assert order.pop_oldest() == model.popitem(last=False)[0]
+        assert len(order) == len(model) and (b in order) == (b in model)
+    assert list(order) == list(model)
+
+
+def test_a_full_pool_gives_the_garbage_collector_nothing_to_walk():
+    """Collection time grows with what tracked containers hold: the pool's structures hold nothing
+    the collector walks, however many blocks are cached (an OrderedDict of 4096 blocks would be 8192
+    referents, the free list 4096)."""
+    m = BlockManager(4096, 2)
+    for rid in range(4095):  # unique 3-token prompts: one named block each (and one unnamed), then freed
+        r = _req(m, rid, [rid, rid + 1, 7])
+        _start(m, r)
+        r.blocks += m.grow(r, 3)
+        r.computed = 3
+        r.block_names += m.name_full_blocks(r)
+        m.free(r)
+    assert m.stats.cached_blocks == 4095 and len(m.evictable) == 4095 and len(m.free_ids) == 1
+    walked = {k: len(gc.get_referents(v)) for k, v in vars(m).items() if gc.is_tracked(v)}
+    assert sum(walked.values()) < 16, f"the collector walks {walked} referents of the block manager"

@@ -5,10 +5,11 @@ collector's pauses.
 Each structure has a bound (entries, and bytes per entry as ``benchmarks/host_bookkeeping_memory.py``
 measures them on CPU):
 
-- the prefix cache's names (``BlockManager.by_name``, ``name_of``, ``evictable``): at most one entry per
+- the prefix cache's names (``BlockManager.by_name``, ``name_of``): at most one entry per
   cache block, ~240 B per cached block in all; full once the pool has been filled once;
 - the block references and in-flight names (``refs``, ``in_flight``): the blocks of the running requests;
-- the free block stack (``free_ids``): at most ``num_blocks`` ints;
+- the free block stack and the eviction order (``free_ids``, ``evictable``): int arrays over ``num_blocks``,
+  allocated once (17 B per block), which the garbage collector never walks;
 - the engine's and the loop's request maps (``Engine._requests``, ``EngineLoop._live``), the scheduler's
   ``waiting`` and ``running``: the requests waiting or running, none after they finish;
 - the runner's ``InputBatch``: ``max_num_seqs`` rows, allocated once;
