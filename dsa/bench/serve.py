@@ -167,6 +167,20 @@ class StartedServer:
             os.remove(self.log.name)
 
 
+async def sse_data(response):
+    """The ``data:`` payloads of a server-sent event stream, lines split at ``\\n`` only, as the SSE
+    format says (httpx's ``aiter_lines`` also splits at U+2028, U+0085 and the like, which a JSON
+    string may hold raw)."""
+    rest = ""
+    async for text in response.aiter_text():
+        *lines, rest = (rest + text).split("\n")
+        for line in lines:
+            if line.startswith("data: "):
+                yield line[6:].rstrip("\r")
+    if rest.startswith("data: "):
+        yield rest[6:].rstrip("\r")
+
+
 def read_compiles(client, url: str):
     """The sum of ``dsa_kernel_compiles_total`` samples in ``/metrics``; None when absent."""
     try:
@@ -198,10 +212,7 @@ async def send(client, url: str, model: str, item: dict, ignore_eos: bool) -> di
                     pass
                 row["error"] = f"HTTP {r.status_code}: {text}"[:300]
                 return row
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
+            async for data in sse_data(r):
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)

@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from dsa.bench.serve import KEEPALIVE_S, words
+from dsa.bench.serve import KEEPALIVE_S, sse_data, words
 from dsa.report import save_figure
 
 KINDS = ("stream", "plain", "chat", "chat_stream", "disconnect", "bad", "stop", "long")
@@ -113,14 +113,14 @@ async def soak_one(client, url: str, model: str, item: dict) -> dict:
                 row["detail"] = r.status_code
                 return row
             chunks = 0
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for data in sse_data(r):
+                if data == "[DONE]":
                     continue
                 chunks += 1
                 if kind == "disconnect" and chunks >= item["cut"]:
                     row["outcome"] = "dropped"
                     return row  # leaving the block closes the connection mid-stream
-                for choice in json.loads(line[6:]).get("choices", []):
+                for choice in json.loads(data).get("choices", []):
                     row["tokens"] += 1 if (choice.get("text") or choice.get("delta", {}).get("content")) else 0
                     if choice.get("finish_reason") in ("stop", "length"):
                         row["outcome"], row["detail"] = "ok", choice["finish_reason"]

@@ -250,8 +250,13 @@ async def _deltas(request: Request, call: "_Call", watch_disconnect: bool):
         yield delta
 
 
+# Characters JSON leaves raw (with ensure_ascii=False) that str.splitlines() and clients built on it
+# (httpx's aiter_lines) take for line ends: escaped, so an event is one line for every client
+_LINE_ENDS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def _sse(data) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=False).translate(_LINE_ENDS)}\n\n"
 
 
 def build_app(llm, loop: EngineLoop, model_name: str, api_key: str | None = None, max_queued: int | None = None,
