@@ -203,3 +203,26 @@ def test_chunked_prefill_steps_without_a_sampled_row(model, reference, drafter):
     e = Engine(model, num_blocks=64, max_batch_tokens=7, speculative_tokens=2, drafter=d)
     assert e.generate(_prompts(), NEW) == reference
     assert e.stats.prefill_chunks > len(LENGTHS)
+
+
+def test_draft_and_verify_seconds_count_verify_steps_only():
+    """A prefill step (no drafts) takes the speculating path too; its seconds are not a verify step's
+    (the H200 row reported 62.9 ms of verify a step inside 10.6 ms steps: the 163K prefill counted)."""
+    import numpy as np
+
+    from dsa.engine.speculative import SpecStats, VerifiedStep, count
+
+    class Clock:
+        def __init__(self, spans):
+            self._spans = spans
+
+        def spans(self):
+            return self._spans
+
+    stats = SpecStats(2, by_position=[0, 0], proposed_by_position=[0, 0], accepted_lengths=[0, 0, 0])
+    prefill = VerifiedStep([], None, Clock([0.5, 4.0, 0.5]), np.zeros(1, np.int64))
+    verify = VerifiedStep([], None, Clock([0.001, 0.002, 0.003]), np.array([2]))
+    count(stats, prefill, np.zeros(1, np.int64), [1])
+    count(stats, verify, np.array([1]), [2])
+    d = stats.as_dict()
+    assert stats.verify_steps == 1 and d["verify_ms_per_step"] == 2.0 and d["draft_ms_per_step"] == 4.0, d
