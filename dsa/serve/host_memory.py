@@ -6,7 +6,7 @@ Each structure has a bound (entries, and bytes per entry as ``benchmarks/host_bo
 measures them on CPU):
 
 - the prefix cache's names (``BlockManager.by_name``, ``name_of``): at most one entry per
-  cache block, ~240 B per cached block in all; full once the pool has been filled once;
+  cache block, ~180 B per cached block in all; full once the pool has been filled once;
 - the block references and in-flight names (``refs``, ``in_flight``): the blocks of the running requests;
 - the free block stack and the eviction order (``free_ids``, ``evictable``): int arrays over ``num_blocks``,
   allocated once (17 B per block), which the garbage collector never walks;
