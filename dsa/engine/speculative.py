@@ -135,9 +135,9 @@ def launch(engine, out) -> VerifiedStep:
 def count(stats: SpecStats, step: VerifiedStep, accepted: np.ndarray, emitted: list) -> None:
     """Speculation's counters for a finished step (``emitted``: tokens each sampled request kept)."""
     k = step.num_drafts
-    spans = step.clock.spans()  # read every step: its events are done with
     if not k.any():  # a prefill step, or one whose requests could take no draft: not a verify step's cost
         return
+    spans = step.clock.spans()
     stats.draft_s += spans[0] + spans[2]
     stats.verify_s += spans[1]
     stats.verify_steps += 1
