@@ -9,7 +9,10 @@
 #   q: a smoke run of both (32K-256K, and a 128K request on a 1M-limit server), ~5 min
 #   v: bench engine --speculative-tokens 2 --quick (issue #39, B = 1 at the longest context): the trained
 #      default with its MTP module into $OUT/spec-default, demo-gpu with the test drafter at acceptance 0.7
-#      into $OUT/spec-demo-gpu, ~3 min
+#      into $OUT/spec-demo-gpu (each a warm pass after a first), ~5 min
+#   P: benchmarks/profile_spec_step.py (issue #39): torch.profiler over a warm B = 1 pass, plain and
+#      speculating, the trained default into $OUT/profile-default, demo-gpu (test drafter, p = 0.7) into
+#      $OUT/profile-demo-gpu, ~4 min
 # Each part is bounded by a timeout; bench output is appended to $OUT/bench.log.
 # Default parts: tpld. Install with `python -m pip` (a bare `pip` there belongs to another Python).
 set -uo pipefail
@@ -28,7 +31,7 @@ serve_long() {  # prompt tokens, result file, seconds allowed
     --json "$OUT/$2" 2>&1 | grep -v "req/s]\|it/s]" | tail -20
 }
 spec() {  # name [bench engine flags]
-  timeout 170 python -m dsa bench engine --speculative-tokens 2 --quick --out "$OUT/spec-$1" --git-sha "$SHA" "${@:2}" \
+  timeout 300 python -m dsa bench engine --speculative-tokens 2 --quick --out "$OUT/spec-$1" --git-sha "$SHA" "${@:2}" \
     2>&1 | tee -a "$OUT/bench.log" | grep -E "^(default|demo|wrote|Traceback|[A-Za-z]*Error)"
 }
 [[ $PARTS == *t* ]] && { timeout 300 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -80 > "$OUT/gpu-tests.log"
@@ -41,6 +44,10 @@ spec() {  # name [bench engine flags]
 [[ $PARTS == *k* ]] && bench topk 90
 [[ $PARTS == *i* ]] && bench indexer 90
 [[ $PARTS == *v* ]] && { spec default; spec demo-gpu --preset demo-gpu --draft-acceptance 0.7; }
+[[ $PARTS == *P* ]] && { timeout 150 python benchmarks/profile_spec_step.py --new 64 --out "$OUT/profile-default" \
+                           2>&1 | grep -v "^USDT" | tail -60
+                         timeout 200 python benchmarks/profile_spec_step.py --preset demo-gpu --draft-acceptance 0.7 \
+                           --new 64 --out "$OUT/profile-demo-gpu" 2>&1 | grep -v "^USDT" | tail -60; }
 [[ $PARTS == *g* ]] && timeout 560 python -m dsa bench long --lengths 131072,262144,524288,1048576 --out "$OUT" \
   --git-sha "$SHA" 2>&1 | tee -a "$OUT/bench-long.log" | grep -v "^long_prefill"
 [[ $PARTS == *s* ]] && serve_long 1048576 "serve-1m-h200-$(date -u +%F).json" 560

@@ -65,6 +65,7 @@ def test_host_bookkeeping_is_bounded_per_cached_block_and_per_finished_request(n
     idle = ("block_refs", "in_flight_names", "engine_requests", "scheduler_waiting", "scheduler_running",
             "loop_requests")
     assert all(sizes[k] == 0 for k in idle), f"held by an idle engine: {sizes}"
+    assert 0 < sizes["eager_token_counts"] <= engine.scheduler.max_batch_tokens, sizes
 
 
 def test_metrics_export_the_structures_resident_memory_and_gc_pauses():

@@ -195,8 +195,7 @@ class Engine:
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
-        self._stats = EngineStats(spec=speculative.SpecStats(n, by_position=[0] * n, proposed_by_position=[0] * n,
-                                                                 accepted_lengths=[0] * (n + 1)))
+        self.reset_stats()
         self._warm_total = None  # compiles.total() when warm-up ended
         compiles.install()
 
@@ -219,6 +218,12 @@ class Engine:
         self.__dict__.update(state, lock=threading.RLock())
 
     # ---- state the tests and tools look at ------------------------------------------------
+    def reset_stats(self) -> None:
+        """Zero :attr:`stats`' counters (a bench times a warm pass after a first one)."""
+        n = self.speculative_tokens
+        self._stats = EngineStats(spec=speculative.SpecStats(n, by_position=[0] * n, proposed_by_position=[0] * n,
+                                                                 accepted_lengths=[0] * (n + 1)))
+
     @property
     def stats(self) -> EngineStats:
         s = self._stats
