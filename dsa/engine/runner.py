@@ -268,7 +268,11 @@ class ModelRunner:
             prefill += [(t, c.index_topk - t) for t in (2, 16) if t <= max_batch_tokens and c.index_topk > t]
         rows = [b for b in BATCH_BUCKETS if b <= max_decode_rows] or [1]
         widths = sorted({1, self.next_n})
-        decode = [(b, ctx, n) for n in widths for ctx in self.context_buckets(max_context) for b in rows]
+        # the largest graphs first (as vLLM captures): each smaller one reuses the memory a larger one freed in
+        # the graphs' shared pool; in ascending order each context bucket's transients (the paged logits) need a
+        # new, larger block, and the pool held their sum (26 GiB at 1M tokens and 8 batch buckets on the H200)
+        decode = [(b, ctx, n) for n in widths for ctx in reversed(self.context_buckets(max_context))
+                  for b in reversed(rows)]
         sync = torch.cuda.synchronize if self.model.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
