@@ -25,8 +25,9 @@ def _args(b: int, n: int, params: SamplingParams, seeds, position0: int = 100):
                 vocab_hash=hash32(torch.arange(V, dtype=torch.int64)))
 
 
+@pytest.mark.parametrize("all_greedy", [False, True], ids=["general-path", "greedy-path"])
 @pytest.mark.parametrize("mismatch", [0, 1, 2, 3, None], ids=lambda m: f"reject-at-{m}")
-def test_greedy_accepts_the_agreeing_prefix(mismatch):
+def test_greedy_accepts_the_agreeing_prefix(mismatch, all_greedy):
     n = 3
     logits = torch.randn(2, n + 1, V, generator=torch.Generator().manual_seed(1))
     target = logits.argmax(-1)  # [2, 4]
@@ -34,12 +35,26 @@ def test_greedy_accepts_the_agreeing_prefix(mismatch):
     if mismatch is not None and mismatch < n:
         drafts[:, mismatch] = (drafts[:, mismatch] + 1) % V
     drafts[1, 2:] = -1  # request 1 has 2 drafts only
-    tokens, accepted = rejection_sample(logits, drafts, **_args(2, n, SamplingParams(temperature=0), [0, 1]))
+    tokens, accepted = rejection_sample(logits, drafts, **_args(2, n, SamplingParams(temperature=0), [0, 1]),
+                                        all_greedy=all_greedy)
     for b, k in ((0, n), (1, 2)):
         a = k if mismatch is None or mismatch >= k else mismatch
         assert int(accepted[b]) == a
         assert tokens[b, :a + 1].tolist() == target[b, :a + 1].tolist()
         assert (tokens[b, a + 1:] == -1).all()
+
+
+def test_the_greedy_path_gives_the_general_paths_tokens_on_ties_and_nan():
+    n, b = 3, 64
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randint(0, 3, (b, n + 1, V), generator=g).float()  # many ties: the first index wins
+    logits[7, 1] = float("nan")  # a NaN row: argmax takes the NaN's index in both paths
+    drafts = torch.randint(-1, V, (b, n), generator=g)
+    args = _args(b, n, SamplingParams(temperature=0), range(b))
+    want = rejection_sample(logits, drafts, **args)
+    got = rejection_sample(logits, drafts, **args, all_greedy=True)
+    for w, x, name in zip(want, got, ("tokens", "accepted")):
+        assert torch.equal(w, x), f"{name}: the greedy path {x.tolist()} != the general path's {w.tolist()}"
 
 
 def _chi2_critical(df: int, z: float = 4.0) -> float:

@@ -36,7 +36,8 @@ def _accept_uniform(keys: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
 
 def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                      top_p: torch.Tensor, min_p: torch.Tensor, greedy: torch.Tensor, keys: torch.Tensor,
-                     vocab_hash: torch.Tensor, draft_probs: torch.Tensor | None = None, sort: bool = True) -> tuple:
+                     vocab_hash: torch.Tensor, draft_probs: torch.Tensor | None = None, sort: bool = True,
+                     all_greedy: bool = False) -> tuple:
     """Verify ``B`` requests' drafts (module docstring).
 
     Args:
@@ -50,6 +51,8 @@ def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, temperature: to
         vocab_hash: ``[V]`` int64, ``hash32(token id)``.
         draft_probs: ``[B, N, V]`` fp32 the drafter's distributions, or None (a deterministic drafter).
         sort: False when no row uses top_k or top_p.
+        all_greedy: True when every request is greedy (the host knows it): the argmax path alone, the
+            same tokens without the sampled path's launches.
 
     Returns:
         ``(tokens [B, N + 1] int64, accepted [B] int64)``: request ``b`` emits ``tokens[b, :accepted[b] + 1]``
@@ -60,6 +63,10 @@ def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, temperature: to
     if n < 1 or tuple(drafts.shape) != (b, n):
         raise ValueError(f"drafts: expected [B={b}, N={n} >= 1] for logits {list(logits.shape)}, got "
                          f"{list(drafts.shape)}")
+    if all_greedy:
+        argmax = logits.argmax(dim=-1)  # [B, N + 1]
+        accepted = ((argmax[:, :n] == drafts) & (drafts >= 0)).long().cumprod(dim=-1).sum(dim=-1)
+        return _emitted(drafts, accepted, argmax.gather(1, accepted[:, None])[:, 0])
     rows = logits.reshape(b * n1, v)
     rep = lambda t: t.repeat_interleave(n1)  # noqa: E731 - per request -> per row
     scaled = rows / rep(temperature)[:, None]
@@ -89,7 +96,12 @@ def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, temperature: to
     row_keys = keys.gather(1, at[..., None].expand(b, 1, 2))[:, 0]
     gumbel = -torch.log(-torch.log(uniform_noise(row_keys, vocab_hash)))
     final = torch.where(greedy, argmax.gather(1, at)[:, 0], (weights + gumbel).argmax(dim=-1))
-    cols = torch.arange(n1, device=logits.device)[None, :]
-    padded = torch.cat((drafts, drafts.new_full((b, 1), -1)), dim=1)
-    tokens = torch.where(cols < at, padded, torch.where(cols == at, final[:, None], -1))
-    return tokens, accepted
+    return _emitted(drafts, accepted, final)
+
+
+def _emitted(drafts: torch.Tensor, accepted: torch.Tensor, final: torch.Tensor) -> tuple:
+    """``(tokens [B, N + 1], accepted)``: each request's accepted drafts, then ``final``, then -1."""
+    at = accepted[:, None]
+    cols = torch.arange(drafts.shape[1] + 1, device=drafts.device)[None, :]
+    padded = torch.cat((drafts, drafts.new_full((drafts.shape[0], 1), -1)), dim=1)
+    return torch.where(cols < at, padded, torch.where(cols == at, final[:, None], -1)), accepted

@@ -104,7 +104,8 @@ def rejection_args(runner, out, result, n: int, vocab_hash: torch.Tensor) -> dic
     up = runner.upload  # floats as float32, ints and bools as int64
     return dict(temperature=up(sr.temperature[rows]), top_k=up(sr.top_k[rows]), top_p=up(sr.top_p[rows]),
                 min_p=up(sr.min_p[rows]), greedy=up(sr.greedy[rows]).bool(), keys=up(np.stack((k1, k2), axis=-1)),
-                vocab_hash=vocab_hash, sort=bool((sr.sorts[rows] & ~sr.greedy[rows]).any()))
+                vocab_hash=vocab_hash, sort=bool((sr.sorts[rows] & ~sr.greedy[rows]).any()),
+                all_greedy=bool(sr.greedy[rows].all()))
 
 
 def launch(engine, out) -> VerifiedStep:
