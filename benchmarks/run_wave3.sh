@@ -9,9 +9,10 @@
 #   m: tests/test_model_gpu.py alone
 #   k: a soak (dsa bench serve --soak: SOAK requests of the mix, default 2000, concurrency 64; 4000 took 155 s
 #      on the H200, so SOAK=8000 is the 5-minute soak of issue #26) against a cold server
-#   K: the long soak detached (setsid): SOAK requests (default 12000) against a server bench serve starts with
-#      the default pool (issue #37 target b: past the pool's filling, ~9 min); W: wait for it (WAIT seconds,
-#      default 540) and copy soak-long.{json,log} and its memory figure to $OUT: `SOAK=12000 ... K`, then `... W`
+#   K: the long soak detached (setsid): SOAK requests (default 24000) against a server bench serve starts with
+#      the default pool (issue #37 target b: the pool fills at ~15,900 requests of this mix; 12,000 took 421 s,
+#      so 24,000 ~14 min); W: wait for it (WAIT seconds, default 540) and copy soak-long.{json,log} and its
+#      memory figure to $OUT: `SOAK=24000 ... K`, then `... W`
 #      in the next calls until the log says "wrote"
 #   x: SIGTERM under load: 64 streams of 4000 tokens, SIGTERM after 15 s (--shutdown-timeout 5): the
 #      exit code and seconds, and how every stream ended
@@ -98,11 +99,11 @@ if [[ $PARTS == *k* ]]; then  # SOAK requests (default 2000); SOAK_BLOCKS: a poo
   curl -s http://127.0.0.1:8123/metrics | grep -E "^dsa_(resident|host_structure|gc_|kernel_compiles_after)" | tee -a "$LOG"
   serve_down soak
 fi
-if [[ $PARTS == *K* ]]; then  # the long soak, detached (it outlives the call): SOAK requests (default 12000) on
+if [[ $PARTS == *K* ]]; then  # the long soak, detached (it outlives the call): SOAK requests (default 24000) on
   # the default pool, the server started by bench serve itself; W waits for it in later calls
-  say "soak, detached: ${SOAK:-12000} requests"
+  say "soak, detached: ${SOAK:-24000} requests"
   rm -f /tmp/soak-long.json /tmp/soak-long-memory.png
-  setsid nohup python3 -m dsa bench serve --preset demo-gpu --soak --num-requests ${SOAK:-12000} --concurrency 64 \
+  setsid nohup python3 -m dsa bench serve --preset demo-gpu --soak --num-requests ${SOAK:-24000} --concurrency 64 \
     --input-len-range 16 4096 --max-tokens-range 1 128 --ready-timeout 400 --json /tmp/soak-long.json \
     > /tmp/soak-long.log 2>&1 &
   echo $! > /tmp/soak-long.pid
