@@ -43,15 +43,16 @@ class LightningIndexer(nn.Module):
 
     def project(self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor):
         """``(q [T, HI, DI], k [T, DI], w [T, HI] fp32)`` after RoPE on the first ``D_R`` dims, in the
-        model dtype; ``rot [T, D_R / 2]`` from :func:`dsa.kernels.rope_at`."""
+        model dtype; ``rot [T, D_R / 2]`` from :func:`dsa.kernels.rope_at`. ``x`` and ``qr`` may carry
+        rows past ``T`` that pad the GEMMs' row count (:func:`dsa.model.route.gemm_rows`): dropped after them."""
         c = self.config
-        t, r = x.shape[0], c.qk_rope_head_dim
-        q = self.wq_b(qr).view(t, c.index_n_heads, c.index_head_dim)
-        k = F.layer_norm(self.wk(x).float(), (c.index_head_dim,), self.k_norm.weight.float(),
+        t, r = rot.shape[0], c.qk_rope_head_dim
+        q = self.wq_b(qr)[:t].view(t, c.index_n_heads, c.index_head_dim)
+        k = F.layer_norm(self.wk(x)[:t].float(), (c.index_head_dim,), self.k_norm.weight.float(),
                          self.k_norm.bias.float(), self.k_norm.eps).to(x.dtype)
         q = torch.cat((rope_rotate(q[..., :r], rot, c.indexer_rope_interleave), q[..., r:]), dim=-1)
         k = torch.cat((rope_rotate(k[:, :r], rot, c.indexer_rope_interleave), k[:, r:]), dim=-1)
-        w = F.linear(x.float(), self.weights_proj.weight.float())  # [T, HI] fp32, whatever the model dtype
+        w = F.linear(x.float(), self.weights_proj.weight.float())[:t]  # [T, HI] fp32, whatever the model dtype
         return q, k, w
 
     def score(self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, queries: torch.Tensor,

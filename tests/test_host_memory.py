@@ -8,12 +8,17 @@ import random
 import tracemalloc
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from dsa.engine.engine import Engine
 from dsa.engine.sampling import SamplingParams
+from dsa.model.route import GEMM_ROW_ALIGN
 from dsa.serve.engine_loop import EngineLoop
 from dsa.serve.host_memory import GCPauses, freeze_after_warmup, resident_by_kind, structure_sizes
 from dsa.serve.metrics import prometheus_text
+from tests.model_utils import tiny_model
 from tests.stub_model import VOCAB, StubModel
 
 # Bytes of prefix-cache bookkeeping per cached block: ~240 on a 360K-block pool, up to ~2x that on a small
@@ -65,7 +70,7 @@ def test_host_bookkeeping_is_bounded_per_cached_block_and_per_finished_request(n
     idle = ("block_refs", "in_flight_names", "engine_requests", "scheduler_waiting", "scheduler_running",
             "loop_requests")
     assert all(sizes[k] == 0 for k in idle), f"held by an idle engine: {sizes}"
-    assert 0 < sizes["eager_token_counts"] <= engine.scheduler.max_batch_tokens, sizes
+    assert 0 < sizes["gemm_row_counts"] <= engine.scheduler.max_batch_tokens // GEMM_ROW_ALIGN, sizes
 
 
 def test_metrics_export_the_structures_resident_memory_and_gc_pauses():
@@ -146,3 +151,46 @@ def test_the_mha_prefill_runs_sdpa_without_cudnn_attention(monkeypatch):
     assert len(seen) >= 3, "no prefill took the MHA path"
     assert all(s == (False, True, True) for s in seen), f"(cudnn, flash, efficient) enabled at SDPA calls: {set(seen)}"
     assert torch.backends.cuda.cudnn_sdp_enabled() == outside, "the global setting was not restored"
+
+
+class _GemmRows(TorchFunctionMode):
+    """The row counts M of every GEMM against one of ``weights`` (the model's parameters and absorbed
+    matrices): ``F.linear(x, W)`` and ``einsum("thd,hdr->thr", x, W)``, what cuBLASLt keys its heuristics
+    cache by on a GPU."""
+
+    def __init__(self, weights: list):
+        super().__init__()
+        self.weights, self.rows = {id(w) for w in weights}, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and id(args[1]) in self.weights:
+            self.rows.add(args[0].shape[0])
+        elif func is torch.einsum and len(args) == 3 and id(args[2]) in self.weights:
+            self.rows.add(args[1].shape[0])
+        return func(*args, **kwargs)
+
+
+def test_gemm_row_counts_are_bounded_by_the_token_budget():
+    """Prompts of every length meet few GEMM row counts: a prefill or mixed step's rows are padded to
+    GEMM_ROW_ALIGN (cuBLASLt keeps ~7 kB of host memory per new row count and weight on a GPU, up to 8,192
+    entries); a decode-only step's are its requests. Not bounded: a routed expert's (the tokens routed to
+    it) and W_UV's (each attention path's rows). The padded steps' tokens are those of the model's forward."""
+    model = tiny_model()
+    attn = [layer.self_attn for layer in model.layers]
+    weights = [p for name, p in model.named_parameters() if ".experts." not in name]  # an expert's rows: its
+    weights += [m.w_uk_t for m in attn]  # tokens (MoE models run eagerly anyway); W_UV runs at each path's rows
+    engine = Engine(model, num_blocks=96, max_batch_tokens=160, max_num_seqs=4)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 200) for _ in range(rng.randrange(1, 300))] for _ in range(24)]
+    with _GemmRows(weights) as mode:
+        out = engine.generate(prompts, max_new_tokens=3)
+    for p, got in zip(prompts[:3], out):  # the padded steps' tokens: those of full-sequence greedy decoding
+        seq = list(p)
+        for _ in range(3):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+        assert got == seq[len(p):], f"a {len(p)}-token prompt: {got} != {seq[len(p):]}"
+    odd = sorted(m for m in mode.rows if m % GEMM_ROW_ALIGN and m > engine.scheduler.max_num_seqs)
+    assert not odd, f"GEMM row counts neither padded to {GEMM_ROW_ALIGN} nor a decode batch: {odd}"
+    allowed = {GEMM_ROW_ALIGN * i for i in range(1, 160 // GEMM_ROW_ALIGN + 2)} | set(range(1, 5))
+    assert engine.runner.gemm_row_counts <= allowed, engine.runner.gemm_row_counts

@@ -34,7 +34,7 @@ from dsa.kernels.common import cdiv, check_int
 from dsa.kernels.topk import warm_topk_slots
 from dsa.model.layers import MoE
 from dsa.model.plan import BatchPlan, Bucket, HostPlan
-from dsa.model.route import BATCH_BUCKETS, context_buckets
+from dsa.model.route import BATCH_BUCKETS, context_buckets, gemm_rows
 
 
 @dataclass
@@ -97,9 +97,9 @@ class ModelRunner:
                              f"routing on the host); this model is on {model.device}")
         self.use_graphs = possible if cuda_graphs is None else bool(cuda_graphs)
         self.graphs: dict = {}  # Bucket (rows bucket, context bucket, next_n) -> _Graph
-        # the token counts of the eager steps run: each is a GEMM row count M that cuBLASLt plans once per
-        # weight shape and keeps in its heuristics cache (host memory; at most the scheduler's token budget)
-        self.eager_token_counts: set = set()
+        # the row counts the eager steps' GEMMs ran at (route.gemm_rows): cuBLASLt plans each once per weight
+        # shape and keeps it in its heuristics cache (host memory); at most max_batch_tokens / GEMM_ROW_ALIGN
+        self.gemm_row_counts: set = set()
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.plan_options = model.plan_options()  # the same every step
         c = model.config
@@ -153,7 +153,7 @@ class ModelRunner:
         buf = host.upload(staging=self.staging)
         if pending is not None:
             _read_pending(host, buf, pending)
-        self.eager_token_counts.add(int(host.query_lens.sum()))
+        self.gemm_row_counts.add(gemm_rows(int(host.query_lens.sum()), host.route.decode_only))
         logits, hidden = self._forward(host.derive(buf), host.next_n > 1)
         return logits, hidden, buf, False
 

@@ -29,6 +29,7 @@ from dsa.kernels.sparse_mla import gather_latent_rows
 from dsa.model.absorb import absorb_kv_b
 from dsa.model.layers import RMSNorm
 from dsa.model.parallel import TensorParallel
+from dsa.model.route import gemm_rows
 
 # The SDPA backends of the MHA prefill path: every one but cuDNN's. PyTorch prefers cuDNN attention on
 # Hopper and Blackwell (sm90 / sm100, a recent cuDNN), and cuDNN attention builds one execution plan per
@@ -75,11 +76,12 @@ class DSAAttention(nn.Module):
                                              c.qk_nope_head_dim, c.v_head_dim)
 
     def forward(self, x: torch.Tensor, step) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]`` for the rows of ``step.plan`` (a ``StepContext``);
-        a layer that runs its indexer leaves its selection in ``step.selection`` for the layers
-        after it that skip theirs."""
+        """``x [T', hidden]`` -> ``[T', hidden]`` for the ``T`` rows of ``step.plan`` (a ``StepContext``),
+        ``T' >= T``: the rows past ``T`` pad the GEMMs' row count (:func:`~dsa.model.route.gemm_rows`),
+        go through the projections only and come out as zeros; a layer that runs its indexer leaves its
+        selection in ``step.selection`` for the layers after it that skip theirs."""
         c, plan = self.config, step.plan
-        t, h = x.shape[0], self.num_heads
+        t, h = plan.num_tokens, self.num_heads
         latent, index_cache = step.caches.latent[self.layer_id], step.caches.index[self.layer_id]
         qr, q_nope, q_pe, kv_c, k_pe = self.project(x, step.rope)
         write_latent(latent, kv_c, k_pe, plan.slot_mapping)
@@ -95,7 +97,10 @@ class DSAAttention(nn.Module):
         q_abs = self.absorbed_query(q_nope, q_pe) if any_absorbed else None  # [T, H, 576]
         if routed.decode_only:  # every row decodes: no gather, no scatter
             return self._out(self._up_v(self._decode(q_abs, d, routed.sparse_decode, latent, step.selection)))
-        out = torch.full((t, h, c.v_head_dim), float("nan"), dtype=x.dtype, device=x.device)
+        # the rows past T (GEMM padding) come out as zeros; each path's latent outputs go up through W_UV
+        # at that path's row count (padding them would copy [rows, H, 512])
+        out = torch.full((x.shape[0], h, c.v_head_dim), float("nan"), dtype=x.dtype, device=x.device)
+        out[t:] = 0
         if d is not None:
             out[d.rows] = self._up_v(self._decode(q_abs[d.rows], d, routed.sparse_decode, latent, step.selection))
         if sparse_rows is not None:
@@ -127,23 +132,26 @@ class DSAAttention(nn.Module):
         return dense_mla_decode(q, latent.data, d.block_table, d.seq_lens, self.softmax_scale)[0].flatten(0, 1)
 
     def project(self, x: torch.Tensor, rot: torch.Tensor):
-        """``(qr [T, q_lora], q_nope [T, H, D_NOPE], q_pe [T, H, D_R], kv_c [T, 512], k_pe [T, 64])``,
-        RoPE (interleaved) applied to ``q_pe`` and ``k_pe``; ``rot [T, D_R / 2]`` from
-        :func:`dsa.kernels.rope_at` (the step's per-token rotations)."""
+        """``(qr [T', q_lora], q_nope [T', H, D_NOPE], q_pe [T, H, D_R], kv_c [T, 512], k_pe [T, 64])``
+        of ``x [T', hidden]``, RoPE (interleaved) applied to ``q_pe`` and ``k_pe``; ``rot [T, D_R / 2]``
+        from :func:`dsa.kernels.rope_at` (the step's per-token rotations; rows past ``T`` pad the GEMMs,
+        and ``qr`` and ``q_nope`` keep them for the GEMMs after)."""
         c = self.config
-        t = x.shape[0]
+        t = rot.shape[0]
         qr = self.q_a_layernorm(self.q_a_proj(x)) if c.q_lora_rank else x
-        q = (self.q_b_proj(qr) if c.q_lora_rank else self.q_proj(x)).view(t, self.num_heads, c.qk_head_dim)
+        q = (self.q_b_proj(qr) if c.q_lora_rank else self.q_proj(x)).view(x.shape[0], self.num_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        kv = self.kv_a_proj_with_mqa(x)
+        kv = self.kv_a_proj_with_mqa(x)[:t]
         kv_c = self.kv_a_layernorm(kv[:, :c.kv_lora_rank])
-        q_pe = rope_rotate(q_pe, rot, True)
+        q_pe = rope_rotate(q_pe[:t], rot, True)
         k_pe = rope_rotate(kv[:, c.kv_lora_rank:], rot, True)
         return qr, q_nope, q_pe, kv_c, k_pe
 
     def absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
-        """``[q_nope @ W_UK_T | q_pe]`` ``[T, H, 576]``."""
-        return torch.cat((torch.einsum("thd,hdr->thr", q_nope, self.w_uk_t), q_pe), dim=-1)
+        """``[q_nope @ W_UK_T | q_pe]`` ``[T, H, 576]`` (``q_nope`` may carry padding rows past ``q_pe``'s
+        ``T``: the GEMM runs over them, the result stops at ``T``)."""
+        t = q_pe.shape[0]
+        return torch.cat((torch.einsum("thd,hdr->thr", q_nope, self.w_uk_t)[:t], q_pe), dim=-1)
 
     def _up_v(self, o: torch.Tensor) -> torch.Tensor:
         """Latent-space output ``[R, H, 512]`` -> ``[R, H, D_V]``."""
@@ -154,8 +162,11 @@ class DSAAttention(nn.Module):
         Its workspace (the up-projected K/V, the keys, V padded) is bounded by the plan."""
         c = self.config
         h, s = self.num_heads, seg.num_keys
-        rows = gather_latent_rows(latent.data, seg.slots.long(), q_nope.dtype)  # [S, 576]
-        kv = F.linear(rows[:, :c.kv_lora_rank], self.kv_b_proj.weight).view(s, h, -1)
+        # [S', 576]: the keys' rows, padded with slot 0 to a multiple of GEMM_ROW_ALIGN for the GEMM
+        slots = F.pad(seg.slots.long(), (0, gemm_rows(s, False) - s))
+        rows = gather_latent_rows(latent.data, slots, q_nope.dtype)
+        kv = F.linear(rows[:, :c.kv_lora_rank], self.kv_b_proj.weight)[:s].view(s, h, -1)
+        rows = rows[:s]
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat((k_nope, rows[:, None, c.kv_lora_rank:].expand(s, h, c.qk_rope_head_dim)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)  # [Q, H, 192]

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsa.cache import IndexerKeyCache, LatentCache
@@ -24,6 +25,7 @@ from dsa.model.loading import match_state_dict, read_pretrained
 from dsa.model.mtp import MTPLayer, mtp_layer_shape
 from dsa.model.parallel import TensorParallel, init_tensor_parallel
 from dsa.model.plan import BatchPlan, PlanOptions
+from dsa.model.route import gemm_rows
 
 log = logging.getLogger("dsa.model")
 FP32_PARAMS = (".mlp.gate.", ".indexer.weights_proj.")  # the router and the indexer head weights stay fp32
@@ -226,7 +228,10 @@ class DSAModel(nn.Module):
     @torch.no_grad()
     def step(self, plan: BatchPlan, caches: Caches, input_ids: torch.Tensor | None = None,
              logits_rows: torch.Tensor | None = None, return_hidden: bool = False):
-        """Run the plan's rows through every layer, writing the caches; no host sync.
+        """Run the plan's rows through every layer, writing the caches; no host sync. A step that does
+        not only decode runs its GEMMs over its rows padded to :data:`~dsa.model.route.GEMM_ROW_ALIGN`
+        (:func:`~dsa.model.route.gemm_rows`): the padding rows (token 0) read and write no cache and
+        reach no output.
 
         Args:
             plan: the step; caches: the engine's (or temporary) caches.
@@ -239,10 +244,12 @@ class DSAModel(nn.Module):
             ``[R, vocab]`` fp32 logits; with ``return_hidden``, ``(logits, hidden [T, hidden])``.
         """
         step = StepContext(plan, caches, self.rope_at(plan.positions))
-        x = self.embed_tokens(plan.input_ids if input_ids is None else input_ids.to(self.device))
+        ids = plan.input_ids if input_ids is None else input_ids.to(self.device)
+        t = plan.num_tokens
+        x = self.embed_tokens(F.pad(ids, (0, gemm_rows(t, plan.route.decode_only) - t)))  # padding rows: id 0
         for layer in self.layers:
             x = layer(x, step)
-        h = self.norm(x)
+        h = self.norm(x[:t])
         logits = self.lm_head(h if logits_rows is None else h[logits_rows]).float()
         return (logits, h) if return_hidden else logits
 
@@ -264,7 +271,11 @@ class DSAModel(nn.Module):
         if self.mtp is None:
             raise ValueError("model: it has no MTP module (num_nextn_predict_layers = 0)")
         step = StepContext(plan, caches, self.rope_at(plan.positions))
-        y = self.mtp(self.mtp.project(self.embed_tokens(next_ids.to(self.device)), hidden.to(self.dtype)), step)
+        t = plan.num_tokens
+        pad = gemm_rows(t, plan.route.decode_only) - t
+        x = self.mtp.project(self.embed_tokens(F.pad(next_ids.to(self.device), (0, pad))),
+                             F.pad(hidden.to(self.dtype), (0, 0, 0, pad)))
+        y = self.mtp(x, step)[:t]
         rows = y if logits_rows is None else y[logits_rows]
         return self.lm_head(self.mtp.shared_head.norm(rows)).float(), y
 

@@ -32,6 +32,16 @@ from dsa.model.dispatch import Dispatch
 PATHS = ("sparse_decode", "dense_decode", "sparse_prefill", "dense_prefill_mha", "dense_prefill_absorbed")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# an eager step's rows (prefill, mixed) go through the GEMMs padded to a multiple of this: cuBLASLt keeps
+# host memory (~7 kB) for each (M, N, K) it plans, in an LRU of 8,192 entries, and a server meets every
+# token count up to its budget; padded, the counts are at most max_batch_tokens / GEMM_ROW_ALIGN
+GEMM_ROW_ALIGN = 64
+
+
+def gemm_rows(num_tokens: int, decode_only: bool) -> int:
+    """The rows a step's GEMMs run over: ``num_tokens`` padded to :data:`GEMM_ROW_ALIGN` unless the step
+    only decodes (its rows are a CUDA graph bucket's, or at most ``max_num_seqs`` x ``next_n``)."""
+    return num_tokens if decode_only else cdiv(num_tokens, GEMM_ROW_ALIGN) * GEMM_ROW_ALIGN
 CONTEXT_STEP = 4096  # context buckets: powers of two up to this, then its multiples up to 128K, then
 BUCKETS_PER_OCTAVE = 16  # this many per doubling (context_bucket)
 

@@ -47,9 +47,10 @@ def _recall(selected: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def capture_layer_inputs(model, ids: torch.Tensor) -> list:
-    """Each layer's attention input ``x [S, hidden]`` (after input_layernorm) for one sequence."""
-    inputs = []
-    hooks = [layer.self_attn.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].detach()))
+    """Each layer's attention input ``x [S, hidden]`` (after input_layernorm) for one sequence (its rows
+    past ``S``, which pad the step's GEMMs, left out)."""
+    inputs, s = [], ids.shape[-1]
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda mod, args: inputs.append(args[0][:s].detach()))
              for layer in model.layers]
     try:
         model(ids[None])

@@ -15,10 +15,11 @@ measures them on CPU):
 - the runner's ``InputBatch``: ``max_num_seqs`` rows, allocated once;
 - the rate window (``EngineLoop._steps``): the steps of the last ``RATE_WINDOW_S`` seconds;
 - the latency histograms: fixed buckets;
-- the token counts of the eager steps run (``ModelRunner.eager_token_counts``): at most the scheduler's
-  token budget (``max_batch_tokens``). Each is a GEMM row count M that cuBLASLt plans once per weight
-  shape and keeps in its heuristics cache, an LRU of 8,192 entries (~23 MiB of C heap when full on the
-  H200, ``benchmarks/gemm_host_memory.py``): the one growing structure outside the project's code.
+- the row counts the eager steps' GEMMs ran at (``ModelRunner.gemm_row_counts``): the steps' tokens
+  padded to a multiple of 64 (:func:`dsa.model.route.gemm_rows`), so at most ``max_batch_tokens / 64``.
+  cuBLASLt plans each once per weight shape (~10 in a DSA layer) and keeps it in its heuristics cache,
+  an LRU of 8,192 entries (~7 kB of C heap each on the H200, ``benchmarks/gemm_host_memory.py``): the one
+  growing structure outside the project's code, full after ~128 x 10 entries.
 
 ``gc.freeze()`` after the warm-up (as vLLM and SGLang do) moves the objects alive then (the model's
 modules, the tokenizer, the kernels' caches) out of the collector's generations, so a full collection
@@ -37,7 +38,7 @@ def structure_sizes(engine, loop=None) -> dict:
     sizes = {"prefix_names": len(bm.by_name), "prefix_blocks": len(bm.name_of), "prefix_evictable": len(bm.evictable),
              "block_refs": len(bm.refs), "in_flight_names": len(bm.in_flight), "free_blocks": len(bm.free_ids),
              "engine_requests": len(engine._requests), "scheduler_waiting": len(s.waiting),
-             "scheduler_running": len(s.running), "eager_token_counts": len(engine.runner.eager_token_counts)}
+             "scheduler_running": len(s.running), "gemm_row_counts": len(engine.runner.gemm_row_counts)}
     if loop is not None:
         sizes.update(loop_requests=len(loop._live), rate_window_steps=len(loop._steps))
     return sizes
