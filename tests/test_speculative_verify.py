@@ -4,7 +4,7 @@ sparse MLA, and give the logits and cache entries of the same rows run as a pref
 prefill routing), for next_n = 2, 3, 4, odd contexts, rows across a block boundary and across
 ``index_topk``; the padding rows write nowhere. A speculating engine's verify step is planned on the
 decode path (counted at the layers), its graph key carries ``next_n``, and with CUDA graph capture and
-replay emulated on the CPU (the runner's one CUDA-specific call, ``_record``) the replayed verify steps
+replay emulated on the CPU (the runner's one CUDA-specific call, ``record``) the replayed verify steps
 give the eager engine's tokens, after a warm-up that captured every verify bucket."""
 import copy
 from types import SimpleNamespace
@@ -188,7 +188,7 @@ def test_the_graph_key_carries_next_n():
 
 
 def _emulated_graphs(runner, monkeypatch) -> list:
-    """CUDA graphs emulated on the CPU: ``_record`` (the runner's one CUDA-specific call) runs the step
+    """CUDA graphs emulated on the CPU: ``record`` (the runner's one CUDA-specific call) runs the step
     once, as the GPU's side-stream warm-up does, and its "replay" reruns it into the same output
     tensors. The buckets captured are returned as they come."""
     captured = []
@@ -199,7 +199,7 @@ def _emulated_graphs(runner, monkeypatch) -> list:
         return SimpleNamespace(replay=lambda: [o.copy_(r) for o, r in zip(outputs, step()) if o is not None]), outputs
 
     monkeypatch.setattr(runner, "use_graphs", True)
-    monkeypatch.setattr(runner, "_record", record)
+    monkeypatch.setattr(runner, "record", record)
     return captured
 
 
@@ -214,8 +214,11 @@ def test_replayed_verify_steps_give_the_eager_tokens(tiny, monkeypatch, n):
     monkeypatch.setattr(engine.runner, "_launch", lambda host, pending: replays.append(host.bucket) or launch(host,
                                                                                                               pending))
     assert engine.generate(PROMPTS, NEW) == reference
-    keys = list(engine.runner.graphs)
-    assert keys and all(k.next_n == n + 1 for k in keys) and len(captured) == len(keys)
+    keys, drafted = list(engine.runner.graphs), list(getattr(engine.drafter, "graphs", {}))
+    assert keys and all(k.next_n == n + 1 for k in keys) and len(captured) == len(keys) + len(drafted)
+    if n == 2:  # the MTP module's passes replay graphs too: the observation per verify bucket, the chained proposal
+        assert {kind for kind, _ in drafted} == {"observe", "propose"}, drafted
+        assert {b for kind, b in drafted if kind == "observe"} <= set(keys), drafted
     assert sum(b is not None for b in replays) > len(keys)  # graphs replayed after their capture
     assert engine.stats.graph_steps == sum(b is not None for b in replays)
     assert engine.stats.spec.verify_steps > 0
@@ -235,3 +238,33 @@ def test_warmup_captures_the_verify_buckets_and_steps_only_replay(tiny, monkeypa
     assert engine.runner.graphs[Bucket(1, 256, n + 1)].spec == spec
     assert engine.generate(PROMPTS[:1], NEW) == reference[:1]
     assert len(captured) == 5  # nothing captured after the warm-up
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["captured-on-use", "after-warmup"])
+def test_replayed_mtp_passes_draft_what_the_eager_passes_draft(tiny, monkeypatch, warm):
+    """The MTP drafter's observation and chained proposal by (emulated) graph replay propose the drafts of
+    its eager passes: the same acceptance, draft by draft, and the same tokens; after a warm-up nothing
+    more is captured."""
+    model, reference = tiny
+    n = 3  # two chained proposals a step
+
+    def run(graphs: bool):
+        engine = Engine(model, num_blocks=64, max_batch_tokens=64, speculative_tokens=n)
+        captured = _emulated_graphs(engine.runner, monkeypatch) if graphs else []
+        if graphs and warm:
+            engine.warmup(progress=False)
+        before, drafts = len(captured), []
+        propose = engine.drafter.propose
+        monkeypatch.setattr(engine.drafter, "propose", lambda runner, out: drafts.append(
+            propose(runner, out)) or drafts[-1])
+        tokens = engine.generate(PROMPTS, NEW)
+        return tokens, [d.tolist() for d in drafts], engine, len(captured) - before
+
+    eager_tokens, eager_drafts, _, _ = run(False)
+    tokens, drafts, engine, captured_after = run(True)
+    assert tokens == eager_tokens == reference
+    assert sum(len(d) for d in drafts) > 0 and drafts == eager_drafts, (drafts, eager_drafts)
+    kinds = {kind for kind, _ in engine.drafter.graphs}
+    assert kinds == {"observe", "propose"}, engine.drafter.graphs
+    if warm:
+        assert captured_after == 0, f"{captured_after} graphs captured after the warm-up"

@@ -269,6 +269,8 @@ class Engine:
             max_context = min(self.max_model_len, self.capacity_tokens)
             rows = min(self.max_batch_tokens, self.num_blocks, self.scheduler.max_num_seqs)
             report = self.runner.warmup(self.max_batch_tokens, max_context, max_decode_rows=rows, progress=progress)
+            if self.drafter is not None:  # its passes' graphs, beside the verify graphs
+                report["drafter_graphs"] = self.drafter.warmup(self.runner)
             logits = torch.zeros(2, self.config.vocab_size, device=self.model.device)
             for params in ([SamplingParams(temperature=0)] * 2,
                            [SamplingParams(temperature=0.7, top_p=0.9, top_k=5, logprobs=2), SamplingParams()]):

@@ -214,11 +214,11 @@ class ModelRunner:
         host.upload(buf)
         if "ids" in host.spec:  # an id still pending (PENDING = -1) is read in before each replay, not here
             host.view(buf, "ids").clamp_(min=0)
-        graph, (logits, hidden) = self._record(lambda: self._graph_step(host.derive(buf), verify))
+        graph, (logits, hidden) = self.record(lambda: self._graph_step(host.derive(buf), verify))
         self.graphs[host.bucket] = g = _Graph(graph, buf, host.spec, logits, hidden)
         return g
 
-    def _record(self, step) -> tuple:
+    def record(self, step) -> tuple:
         """``(graph, outputs)``: ``step()`` run once on a side stream (it compiles kernels and settles
         allocations), then captured into a CUDA graph of the runner's pool; ``outputs`` are the
         captured run's, which each ``graph.replay()`` rewrites. The only CUDA-specific part of a

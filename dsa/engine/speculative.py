@@ -15,8 +15,9 @@ the scheduler advances each request by its accepted rows. Rejected rows stay in 
 request's ``computed`` length: no row reads them (attention is causal) and the next step overwrites
 them; no prefix-cache name covers them.
 
-Speculating engines schedule without overlap (each step is finished before the next is scheduled); the
-drafter's MTP passes run eagerly; ``speculative_tokens=0`` is the plain engine, unchanged.
+Speculating engines schedule without overlap (each step is finished before the next is scheduled); when
+the verify step replays a graph, so do the MTP drafter's passes (:class:`~dsa.engine.drafter.MTPDrafter`);
+the rejection sampler runs eagerly; ``speculative_tokens=0`` is the plain engine, unchanged.
 """
 import time
 from dataclasses import dataclass, field
