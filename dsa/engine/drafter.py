@@ -132,7 +132,6 @@ class MTPDrafter:
             self.first[rows] = logits.argmax(dim=-1)
             self.hidden[rows] = y[anchor]
 
-
     def _chain(self, runner, context: np.ndarray, tables: np.ndarray, tok: torch.Tensor, h: torch.Tensor) -> tuple:
         """``(logits [L, vocab], out [L, hidden])``: one MTP decode row per live request, the row after
         ``context`` cached tokens, by its decode bucket's graph when the runner replays graphs."""

@@ -246,7 +246,8 @@ class DSAModel(nn.Module):
         step = StepContext(plan, caches, self.rope_at(plan.positions))
         ids = plan.input_ids if input_ids is None else input_ids.to(self.device)
         t = plan.num_tokens
-        x = self.embed_tokens(F.pad(ids, (0, gemm_rows(t, plan.route.decode_only) - t)))  # padding rows: id 0
+        pad = gemm_rows(t, plan.route.decode_only) - t
+        x = self.embed_tokens(F.pad(ids, (0, pad)) if pad else ids)  # padding rows: token 0
         for layer in self.layers:
             x = layer(x, step)
         h = self.norm(x[:t])
@@ -273,8 +274,10 @@ class DSAModel(nn.Module):
         step = StepContext(plan, caches, self.rope_at(plan.positions))
         t = plan.num_tokens
         pad = gemm_rows(t, plan.route.decode_only) - t
-        x = self.mtp.project(self.embed_tokens(F.pad(next_ids.to(self.device), (0, pad))),
-                             F.pad(hidden.to(self.dtype), (0, 0, 0, pad)))
+        next_ids, hidden = next_ids.to(self.device), hidden.to(self.dtype)
+        if pad:
+            next_ids, hidden = F.pad(next_ids, (0, pad)), F.pad(hidden, (0, 0, 0, pad))
+        x = self.mtp.project(self.embed_tokens(next_ids), hidden)
         y = self.mtp(x, step)[:t]
         rows = y if logits_rows is None else y[logits_rows]
         return self.lm_head(self.mtp.shared_head.norm(rows)).float(), y
