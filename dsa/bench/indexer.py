@@ -4,7 +4,7 @@
 Each Triton row is checked against the torch reference on the same inputs before it is timed
 (logits: ``calc_diff < 1e-6`` over finite entries and identical ``-inf`` masks; key write and
 query prep: equal bytes). Decode rows are timed eagerly and replayed from a CUDA graph
-(``+graph``). Targets (issue #16, H200) are recorded as ``target_us``. ``--variants`` adds the
+(``+graph``). Targets (:mod:`dsa.bench.targets`) are recorded as ``target_us``. ``--variants`` adds the
 Triton launchers' tuning knobs, each row checked bit for bit against the default launch.
 """
 import json
@@ -25,10 +25,9 @@ from dsa.kernels import (
 from dsa.testing import calc_diff, random_block_tables
 
 from .harness import result_row
+from .targets import INDEXER_PAGED_US, INDEXER_RAGGED_TFLOPS
 
 HI, DI, P, K = 64, 128, 64, 2048
-PAGED_TARGET_US = {(64, 65536, 1): 150.0, (64, 131072, 1): 290.0}
-RAGGED_TARGET_TFLOPS = 1000.0
 
 
 def check_logits(name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -125,7 +124,7 @@ def bench_ragged(device, timer, ceilings, t: int, s: int) -> dict:
     flops = 2 * HI * DI * int((ends - starts).sum())
     return result_row("indexer_logits_ragged", "triton", dict(T=t, S=s, HI=HI, ranges="causal tail"), timing,
                       ceilings, bytes_moved=t * s * 4 + s * (DI + 4) + t * HI * (DI + 4), flops=flops, bound="fp8",
-                      target_us=flops / (RAGGED_TARGET_TFLOPS * 1e6))
+                      target_us=flops / (INDEXER_RAGGED_TFLOPS * 1e6))
 
 
 def bench_paged(device, timer, ceilings, b: int, n: int, s: int) -> list:
@@ -138,7 +137,7 @@ def bench_paged(device, timer, ceilings, b: int, n: int, s: int) -> list:
     shape = dict(B=b, N=n, S=s, HI=HI)
     cost = dict(bytes_moved=nbytes, flops=flops, bound="copy")
     logits = lambda: indexer_logits_paged(q8, w, cache, table, lens, P, s)  # noqa: E731
-    target = PAGED_TARGET_US.get((b, s, n))
+    target = INDEXER_PAGED_US.get((b, s, n))
     for impl, graph in (("triton", False), ("triton+graph", True)):
         rows.append(result_row("indexer_logits_paged", impl, shape, timer(logits, graph=graph), ceilings, **cost,
                                target_us=target if graph else None))

@@ -24,6 +24,7 @@ from dsa.testing import random_block_tables
 
 from .harness import result_row
 from .indexer import random_index_cache
+from .targets import LAYER_B1_128K_US, LAYER_FASTER_THAN_DENSE_FROM, LAYER_SPEEDUP_WITH_PROJECTIONS
 
 P, K = 64, 2048
 
@@ -98,9 +99,10 @@ def run(device, timer, ceilings, args) -> list:
             with_proj = (t_dense["median_us"] + t_proj["median_us"]) / (t_dsa["median_us"] + t_proj["median_us"])
             targets = {}
             if graph and b == 1:
-                targets = dict(target_us=60.0 if s == 131072 else None, target_faster_than_dense=s >= 32768)
+                targets = dict(target_us=LAYER_B1_128K_US if s == 131072 else None,
+                               target_faster_than_dense=s >= LAYER_FASTER_THAN_DENSE_FROM)
             elif graph and (b, s) == (64, 131072):
-                targets = dict(target_speedup_with_projections=10.0)
+                targets = dict(target_speedup_with_projections=LAYER_SPEEDUP_WITH_PROJECTIONS)
             rows.append(result_row("layer_dsa_attention", impl, shape, t_dsa, ceilings, speedup_vs_dense=speedup,
                                    speedup_with_projections=with_proj, projections_us=t_proj["median_us"],
                                    target_speedup=8.0 if (b, s) == (64, 131072) else None, **targets))

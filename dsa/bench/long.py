@@ -40,9 +40,9 @@ from dsa.model.presets import preset_model
 
 from .engine import without_indexer
 from .harness import result_row
+from .targets import LONG_TTFT_S
 
 DEFAULT_LENGTHS = (131072, 262144, 524288, 1048576)
-TTFT_TARGET_S = {1048576: 50.0}  # issue #38: demo-gpu, one 1M-token prompt (85.6 s before it)
 
 
 def parse_lengths(text: str) -> list:
@@ -159,7 +159,7 @@ def long_row(impl: str, engine, length: int, new_tokens: int, ceilings: dict, wa
     rate = flops / m["indexer_s"] / 1e12 if flops and m["indexer_s"] else None
     cache = bytes_per_token(c, engine.model.dtype) * engine.capacity_tokens
     shape = dict(L=length, chunk=engine.max_batch_tokens, layers=c.num_hidden_layers, new_tokens=new_tokens)
-    target = TTFT_TARGET_S.get(length) if impl == "dsa" and c.hidden_size == 7168 else None
+    target = LONG_TTFT_S.get(length) if impl == "dsa" and c.hidden_size == 7168 else None
     return result_row("long_prefill", impl, shape, dict(median_us=m["ttft_s"] * 1e6, reps=1), ceilings,
                       target_us=None if target is None else target * 1e6, ttft_s=m["ttft_s"],
                       prefill_tokens_per_s=length / m["ttft_s"], indexer_s=m["indexer_s"], indexer_flops=flops,

@@ -1,8 +1,8 @@
 """``dsa bench mla``: sparse absorbed MLA decode/prefill and dense absorbed decode.
 
 Each shape runs the Hopper kernel (on sm_90) and the portable Triton kernel side by side, each timed
-eagerly (``median_us``) and under CUDA-graph replay (``graph_us``, what a decode step sees; the targets
-of issue #15 are graph-replay times). ``--variants`` adds tile/split sweeps.
+eagerly (``median_us``) and under CUDA-graph replay (``graph_us``, what a decode step sees; the targets,
+:mod:`dsa.bench.targets`, are graph-replay times). ``--variants`` adds tile/split sweeps.
 """
 import torch
 
@@ -20,16 +20,13 @@ from dsa.kernels.sparse_mla import mla_attention_triton
 from dsa.testing import random_block_tables
 
 from .harness import result_row
+from .targets import MLA_US
 
 H, D_L, D_V, P, K = 128, 576, 512, 64, 2048
 SCALE = 0.1352
 ROW_BYTES = {"bf16": D_L * 2, "fp8": 656}
 CTX = 8192  # rows each decode request owns; its slots are drawn from them
 SWEEP = {"bf16": [(64, 2), (32, 2), (16, 4), (32, 4)], "fp8": [(64, 2)]}  # (BLOCK_N, stages) besides the default
-# graph-replay targets (us) of issue #15, FlashMLA's time in the same run beside them
-TARGETS = {("sparse_mla_decode", 64, 1, "bf16"): 90.0, ("sparse_mla_decode", 64, 1, "fp8"): 95.0,
-           ("sparse_mla_decode", 128, 2, "bf16"): 350.0, ("sparse_mla_decode", 128, 2, "fp8"): 350.0,
-           ("sparse_mla_prefill", 4096, 1, "bf16"): 4600.0, ("dense_mla_decode", 64, 32768, "bf16"): 1010.0}
 
 
 def latent_caches(num_tokens: int, device, seed: int = 0) -> dict:
@@ -115,7 +112,7 @@ def run(device, timer, ceilings, args) -> list:
                       sparse_mla_reference(q[:8], cache, slots[:8], SCALE), f"sparse decode {fmt} {impl}")
                 timed_row(rows, timer, ceilings, lambda: sparse_mla(q, cache, slots, SCALE, backend=impl),
                           "sparse_mla_decode", impl, shape, nbytes, flops,
-                          target=TARGETS.get(("sparse_mla_decode", b, n, fmt)))
+                          target=MLA_US.get(("sparse_mla_decode", b, n, fmt)))
             if variants and (b, n) == (64, 1):
                 sweep(rows, timer, ceilings, q, cache, slots, b * n, fmt, nbytes, flops, impls)
         if (b, n) == (64, 1):
@@ -136,7 +133,7 @@ def run(device, timer, ceilings, args) -> list:
                   sparse_mla_reference(q[:8], cache, slots[:8], SCALE), f"sparse prefill {fmt} {impl}")
             timed_row(rows, timer, ceilings, lambda: sparse_mla(q, cache, slots, SCALE, backend=impl),
                       "sparse_mla_prefill", impl, dict(T=tp, H=H, K=K, cache=fmt), nbytes, flops, reps=10,
-                      target=TARGETS.get(("sparse_mla_prefill", tp, 1, fmt)))
+                      target=MLA_US.get(("sparse_mla_prefill", tp, 1, fmt)))
     del caches, slots, q
     # dense absorbed decode, B = 64 requests of S positions in random blocks
     b = 64
@@ -153,7 +150,7 @@ def run(device, timer, ceilings, args) -> list:
                   dense_mla_decode_reference(qd[:2], cache, table[:2], lens[:2], SCALE), f"dense decode {impl}")
             timed_row(rows, timer, ceilings, lambda: dense_mla_decode(qd, cache, table, lens, SCALE, backend=impl),
                       "dense_mla_decode", impl, dict(B=b, N=1, H=H, S=s, cache="bf16"), nbytes, flops, reps=10,
-                      target=TARGETS.get(("dense_mla_decode", b, s, "bf16")))
+                      target=MLA_US.get(("dense_mla_decode", b, s, "bf16")))
         if s == 32768 and variants and "hopper" in impls:
             fn = lambda: hopper.mla_attention_hopper(  # noqa: E731
                 qd.view(-1, D_L), cache, H, b, block_table=table, seq_lens=lens, n=1, h=H,
