@@ -40,7 +40,7 @@ spec() {  # name [bench engine flags]
 [[ $PARTS == *l* ]] && bench layer 90
 [[ $PARTS == *e* ]] && bench engine 110
 [[ $PARTS == *d* ]] && timeout 50 python -m dsa demo --json "$OUT/demo-h200.json" 2>&1 | grep -v "tok/s]"
-[[ $PARTS == *m* ]] && bench mla 120
+[[ $PARTS == *m* ]] && bench mla 240
 [[ $PARTS == *k* ]] && bench topk 90
 [[ $PARTS == *i* ]] && bench indexer 90
 [[ $PARTS == *v* ]] && { spec default; spec demo-gpu --preset demo-gpu --draft-acceptance 0.7; }

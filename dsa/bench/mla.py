@@ -2,7 +2,10 @@
 
 Each shape runs the Hopper kernel (on sm_90) and the portable Triton kernel side by side, each timed
 eagerly (``median_us``) and under CUDA-graph replay (``graph_us``, what a decode step sees; the targets,
-:mod:`dsa.bench.targets`, are graph-replay times). ``--variants`` adds tile/split sweeps.
+:mod:`dsa.bench.targets`, are graph-replay times). The sparse decode rows draw each request's 2,048
+slots among its own CTX = 8,192 rows, independently per row; the ``next_n = 2`` rows also with a real
+verify step's overlap (``VERIFY_OVERLAP`` of row 0's slots in row 1, ``shape.overlap``), and three
+shapes at the peers' 32K rows per request (``shape.ctx``). ``--variants`` adds tile/split sweeps.
 """
 import torch
 
@@ -26,6 +29,10 @@ H, D_L, D_V, P, K = 128, 576, 512, 64, 2048
 SCALE = 0.1352
 ROW_BYTES = {"bf16": D_L * 2, "fp8": 656}
 CTX = 8192  # rows each decode request owns; its slots are drawn from them
+PEER_CTX = 32768  # the peers' side-by-side shape (wave 2: FlashMLA at 32K per request)
+# a verify row's slots that its request's row 0 also selected: 0.59 in the trained default's real verify
+# steps at 16K (benchmarks/results/verify-overlap-cpu-2cores-2026-12-02-default-16000.json; 0.63 at 4K)
+VERIFY_OVERLAP = 0.59
 SWEEP = {"bf16": [(64, 2), (32, 2), (16, 4), (32, 4)], "fp8": [(64, 2)]}  # (BLOCK_N, stages) besides the default
 
 
@@ -40,12 +47,23 @@ def latent_caches(num_tokens: int, device, seed: int = 0) -> dict:
     return {"bf16": bf16, "fp8": fp8}
 
 
-def decode_slots(b: int, n: int, device, seed: int = 0) -> torch.Tensor:
-    """[B*N, K] int32: K distinct slots per row among the CTX rows of its own request."""
+def decode_slots(b: int, n: int, device, seed: int = 0, ctx: int = CTX, overlap: float | None = None) -> torch.Tensor:
+    """[B*N, K] int32: K distinct slots per row among the ``ctx`` rows of its own request, independent
+    random rows, or with ``overlap`` (N >= 2, as in a verify step): rows 1 .. N-1 of a request keep
+    ``round(overlap * K)`` of row 0's slots and draw the rest among the slots row 0 did not select."""
     g = torch.Generator(device=device).manual_seed(seed)
-    pick = torch.rand(b * n, CTX, generator=g, device=device).topk(K, dim=1).indices
     req = torch.arange(b, device=device).repeat_interleave(n)[:, None]
-    return (req * CTX + pick).to(torch.int32)
+    if overlap is None or n == 1:
+        pick = torch.rand(b * n, ctx, generator=g, device=device).topk(K, dim=1).indices
+        return (req * ctx + pick).to(torch.int32)
+    keep = round(overlap * K)
+    r = torch.rand(b, n, ctx, generator=g, device=device)
+    first = r[:, 0].topk(K, dim=1).indices  # [B, K]
+    r[:, 1:].scatter_(2, first[:, None, :].expand(b, n - 1, K), -1.0)  # row 0's slots: no fresh pick
+    fresh = r[:, 1:].topk(K - keep, dim=2).indices  # [B, N - 1, K - keep]
+    rest = torch.cat((first[:, None, :keep].expand(b, n - 1, keep), fresh), dim=2)
+    pick = torch.cat((first[:, None], rest), dim=1).reshape(b * n, K)
+    return (req * ctx + pick).to(torch.int32)
 
 
 def sparse_cost(t: int, k: int, fmt: str = "bf16", h: int = H) -> tuple[int, int]:
@@ -98,24 +116,28 @@ def run(device, timer, ceilings, args) -> list:
     rows = []
     impls = backends(device)
     variants = getattr(args, "variants", False)
-    caches = latent_caches(128 * CTX, device)
-    # sparse decode: T = B * N rows, K = 2048 slots each
-    shapes = [(64, 1)] if args.quick else [(b, n) for n in (1, 2) for b in (1, 64, 128)]
-    for b, n in shapes:
-        slots = decode_slots(b, n, device)
+    caches = latent_caches(128 * (CTX if args.quick else PEER_CTX), device)
+    # sparse decode: T = B * N rows, K = 2048 slots each, among CTX rows of each request (independent rows,
+    # and next_n = 2 rows with a real verify step's overlap), and at the peers' 32K
+    shapes = [(64, 1, CTX, None)] if args.quick else (
+        [(b, n, CTX, None) for n in (1, 2) for b in (1, 64, 128)] + [(b, 2, CTX, VERIFY_OVERLAP) for b in (1, 64, 128)]
+        + [(64, 1, PEER_CTX, None), (128, 2, PEER_CTX, None), (128, 2, PEER_CTX, VERIFY_OVERLAP)])
+    for b, n, ctx, overlap in shapes:
+        slots = decode_slots(b, n, device, ctx=ctx, overlap=overlap)
         q = (torch.randn(b * n, H, D_L, device=device) * 0.1).to(torch.bfloat16)
         for fmt, cache in caches.items():
             nbytes, flops = sparse_cost(b * n, K, fmt)
-            shape = dict(B=b, N=n, H=H, K=K, cache=fmt)
+            shape = dict(B=b, N=n, H=H, K=K, cache=fmt, ctx=ctx, overlap=overlap)
             for impl in impls:
                 check(sparse_mla(q[:8], cache, slots[:8], SCALE, backend=impl),
                       sparse_mla_reference(q[:8], cache, slots[:8], SCALE), f"sparse decode {fmt} {impl}")
                 timed_row(rows, timer, ceilings, lambda: sparse_mla(q, cache, slots, SCALE, backend=impl),
                           "sparse_mla_decode", impl, shape, nbytes, flops,
-                          target=MLA_US.get(("sparse_mla_decode", b, n, fmt)))
-            if variants and (b, n) == (64, 1):
+                          target=MLA_US.get(("sparse_mla_decode", b, n, fmt)) if (ctx, overlap) == (CTX, None)
+                          else None)
+            if variants and (b, n, ctx) == (64, 1, CTX):
                 sweep(rows, timer, ceilings, q, cache, slots, b * n, fmt, nbytes, flops, impls)
-        if (b, n) == (64, 1):
+        if (b, n, ctx) == (64, 1, CTX):
             t = timer(lambda: sparse_mla_reference(q, caches["bf16"], slots, SCALE), reps=5)
             nbytes, flops = sparse_cost(b * n, K)
             add(rows, result_row("sparse_mla_decode", "torch-reference", dict(B=b, N=n, H=H, K=K, cache="bf16"),
