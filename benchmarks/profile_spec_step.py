@@ -85,10 +85,10 @@ def main(argv=None) -> int:
     ids = prompt_ids(model, tok, s)
     blocks = cdiv(s + args.new + n + 1, c.block_size) + 1
     plain = Engine(model, num_blocks=blocks, prefix_caching=False)
-    base, t_plain, _ = decode(plain, ids, args.new)
+    (base,), t_plain, _, _ = decode(plain, ids, args.new)
     drafter = None if args.draft_acceptance is None else set_acceptance(base, ids, n, c.vocab_size, args.draft_acceptance)
     spec = Engine(model, num_blocks=blocks, prefix_caching=False, speculative_tokens=n, drafter=drafter)
-    _, t_spec, warm = decode(spec, ids, args.new)
+    _, t_spec, _, warm = decode(spec, ids, args.new)
     print(f"{name} S={s} N={n}: warm pass {1e3 * t_plain / (args.new - 1):.2f} ms/token plain, "
           f"{1e3 * t_spec / (args.new - 1):.2f} speculating ({warm}); {spec.stats.spec.as_dict()}", flush=True)
     result = {"op": "profile-spec-step", "env": env_info(), "model": name, "S": s, "N": n, "new": args.new,

@@ -10,6 +10,8 @@
 #   v: bench engine --speculative-tokens 2 --quick (issue #39, B = 1 at the longest context): the trained
 #      default with its MTP module into $OUT/spec-default, demo-gpu with the test drafter at acceptance 0.7
 #      into $OUT/spec-demo-gpu (each a warm pass after a first), ~5 min
+#   V: the batch crossover of speculation (issue #39): the trained default at its longest context, B = 1, 4, 16, 64
+#      (--spec-batch) into $OUT/spec-default-batch, ~4 min
 #   P: benchmarks/profile_spec_step.py (issue #39): torch.profiler over a warm B = 1 pass, plain and
 #      speculating, the trained default into $OUT/profile-default, demo-gpu (test drafter, p = 0.7) into
 #      $OUT/profile-demo-gpu, ~4 min
@@ -44,6 +46,7 @@ spec() {  # name [bench engine flags]
 [[ $PARTS == *k* ]] && bench topk 90
 [[ $PARTS == *i* ]] && bench indexer 90
 [[ $PARTS == *v* ]] && { spec default; spec demo-gpu --preset demo-gpu --draft-acceptance 0.7; }
+[[ $PARTS == *V* ]] && spec default-batch --spec-batch 1,4,16,64
 [[ $PARTS == *P* ]] && { timeout 150 python benchmarks/profile_spec_step.py --new 64 --out "$OUT/profile-default" \
                            2>&1 | grep -v "^USDT" | tail -60
                          timeout 200 python benchmarks/profile_spec_step.py --preset demo-gpu --draft-acceptance 0.7 \

@@ -90,6 +90,10 @@ def test_layer_and_crossover_benchmarks_run(op, tmp_path):
     (["bench", "engine", "--tp", "2"], "--tp 2 needs one process per rank: `torchrun --nproc-per-node 2 -m dsa bench "
                                        "engine --tp 2`"),
     (["bench", "allreduce"], "dsa bench allreduce: needs 2 or more ranks"),
+    (["bench", "engine", "--speculative-tokens", "2", "--spec-batch", "1,0"], "dsa bench engine: --spec-batch: "
+                                                                             "expected batch sizes >= 1"),
+    (["bench", "engine", "--spec-batch", "4"], "dsa bench engine: --spec-batch: expected batch sizes >= 1, "
+                                               "comma-separated, with --speculative-tokens; got '4'"),
 ])
 def test_tensor_parallel_benches_refuse_bad_ranks(argv, message, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

@@ -190,9 +190,11 @@ def test_bench_rows_on_cpu(model, capsys):
     from dsa.bench.speculative import rows
     ceilings = dict(copy_tbps=1.0, bf16_tflops=1.0, fp8_tflops=1.0, bf16_tflops_p10=1.0)
     (mtp,) = rows(model, None, "tiny", 2, None, [20], 6, ceilings)
-    (scripted,) = rows(model, None, "tiny", 2, 1.0, [20], 6, ceilings)
+    scripted, batched = rows(model, None, "tiny", 2, 1.0, [20], 6, ceilings, batches=(1, 3))
     assert mtp["identical"] and scripted["identical"] and scripted["acceptance"] == 1.0
     assert scripted["tokens_per_step"] > 2 and scripted["predicted_speedup"] > 0 and "speedup" in mtp
+    assert batched["shape"]["B"] == 3 and batched["identical"] and batched["acceptance"] == 1.0
+    assert batched["graphs_captured"] == batched["kernels_compiled"] == 0
     assert "tokens/s speculating" in capsys.readouterr().out
 
 

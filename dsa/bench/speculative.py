@@ -1,11 +1,13 @@
-"""``dsa bench engine --speculative-tokens N``: decode tokens/s with and without speculation, B = 1.
+"""``dsa bench engine --speculative-tokens N``: decode tokens/s with and without speculation, at B = 1 and
+the batch sizes of ``--spec-batch`` (B requests of the same prompt).
 
 For each context S one prompt (the demo's held-out text for a checkpoint with a tokenizer, random tokens
 for a preset) is prefilled and NEW tokens are decoded greedily (``ignore_eos``), three ways: the plain
 engine (CUDA graphs, its default), the plain engine eagerly (``cuda_graphs=False``: a decode step without
 graph replay), and the speculating engine (its verify steps replay graphs keyed by ``next_n = N + 1``).
-Decode time is from the first streamed token to the last, so the prefill is not in it, in a second pass of
-the same request on the same engine (the first compiles its kernels and captures its graphs; the row says
+Decode time is from the moment every request has its first streamed token to the last token, so the
+prefills are not in it (at B > 1 the verify steps that still carry a prompt's chunk are in the draft and
+verify times), in a second pass of the same requests on the same engine (the first compiles its kernels and captures its graphs; the row says
 what the timed pass still compiled and captured). The drafter is
 the model's MTP module, or with ``--draft-acceptance P`` the test drafter
 (:class:`~dsa.engine.drafter.ScriptedDrafter`) proposing the plain run's own tokens, each draft wrong
@@ -59,28 +61,33 @@ def prompt_ids(model, tok, s: int) -> list:
     return torch.randint(0, min(256, model.config.vocab_size), (s,), generator=g).tolist()
 
 
-def decode(engine: Engine, ids: list, new: int) -> tuple:
-    """``(tokens, decode seconds, warm)``: the first streamed token to the last, of a warm pass (the same
-    request run once before it: its kernels compiled, its graphs captured; the engine's stats zeroed
-    after). ``warm`` says what the timed pass still compiled and captured, and the first pass's seconds."""
-    _, first = timed(engine, ids, new)
+def decode(engine: Engine, ids: list, new: int, batch: int = 1) -> tuple:
+    """``(tokens of each request, decode seconds, decode tokens, warm)`` of a warm pass (the same requests
+    run once before it: its kernels compiled, its graphs captured; the engine's stats zeroed after):
+    ``batch`` requests of the prompt ``ids``, timed from the moment every one has its first token (their
+    prefills done) to the last token. ``warm`` says what the timed pass still compiled and captured, and
+    the first pass's seconds."""
+    first = timed(engine, ids, new, batch)[1]
     engine.reset_stats()
     graphs, kernels = len(engine.runner.graphs), compiles.total()
-    out, t = timed(engine, ids, new)
-    return out, t, dict(first_pass_s=first, graphs_captured=len(engine.runner.graphs) - graphs,
-                        kernels_compiled=compiles.total() - kernels)
+    out, t, tokens = timed(engine, ids, new, batch)
+    return out, t, tokens, dict(first_pass_s=first, graphs_captured=len(engine.runner.graphs) - graphs,
+                                kernels_compiled=compiles.total() - kernels)
 
 
-def timed(engine: Engine, ids: list, new: int) -> tuple:
+def timed(engine: Engine, ids: list, new: int, batch: int = 1) -> tuple:
+    """``(tokens of each request, seconds, tokens)`` from every request's first token to the last."""
     sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    out, first = [], None
-    for d in engine.stream([ids], sampling=sp):
-        if first is None:
-            first = time.perf_counter()
-        out.extend(d.token_ids)
+    out, start, after = [[] for _ in range(batch)], None, 0
+    for d in engine.stream([ids] * batch, sampling=sp):
+        if start is not None:
+            after += len(d.token_ids)
+        out[d.index].extend(d.token_ids)
+        if start is None and all(out):
+            start = time.perf_counter()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return out, time.perf_counter() - first
+    return out, time.perf_counter() - start, after
 
 
 def set_acceptance(tokens: list, prompt: list, n: int, vocab: int, p: float) -> ScriptedDrafter:
@@ -96,37 +103,44 @@ def run(device, timer, ceilings, args) -> list:
     model, tok, name = spec_model(args, device)
     longest = model.config.max_position_embeddings - NEW - args.speculative_tokens - 1
     contexts = sorted({min(s, longest) for s in ((longest,) if args.quick else (1024, 8192, 32768, longest))})
-    return rows(model, tok, name, args.speculative_tokens, args.draft_acceptance, contexts, NEW, ceilings)
+    batches = [int(b) for b in str(getattr(args, "spec_batch", "1")).split(",")]
+    return rows(model, tok, name, args.speculative_tokens, args.draft_acceptance, contexts, NEW, ceilings, batches)
 
 
-def rows(model, tok, name: str, n: int, p: float | None, contexts: list, new: int, ceilings: dict) -> list:
-    """One ``engine_speculative`` row per context (module docstring)."""
+def rows(model, tok, name: str, n: int, p: float | None, contexts: list, new: int, ceilings: dict,
+         batches=(1,)) -> list:
+    """One ``engine_speculative`` row per context and batch size (module docstring)."""
     c, out = model.config, []
     for s in contexts:
         ids = prompt_ids(model, tok, s)
-        blocks = cdiv(s + new + n + 1, c.block_size) + 1
-        base, t_graph, _ = decode(Engine(model, num_blocks=blocks, prefix_caching=False), ids, new)
-        _, t_eager, _ = decode(Engine(model, num_blocks=blocks, prefix_caching=False, cuda_graphs=False), ids, new)
-        drafter = None if p is None else set_acceptance(base, ids, n, c.vocab_size, p)
-        engine = Engine(model, num_blocks=blocks, prefix_caching=False, speculative_tokens=n, drafter=drafter)
-        got, t_spec, warm = decode(engine, ids, new)
-        st = engine.stats.spec.as_dict()
-        plain_ms = 1e3 * t_graph / (new - 1)
-        predicted = st["tokens_per_step"] * plain_ms / max(st["draft_ms_per_step"] + st["verify_ms_per_step"], 1e-9)
-        out.append(result_row("engine_speculative", f"{name}+N{n}" + ("" if p is None else f"+p{p:g}"),
-                              dict(B=1, S=s, N=n, layers=c.num_hidden_layers), dict(median_us=1e6 * t_spec / (new - 1),
-                                                                                   reps=1), ceilings,
-                              tokens_per_s=(new - 1) / t_spec, plain_tokens_per_s=(new - 1) / t_graph,
-                              plain_eager_tokens_per_s=(new - 1) / t_eager, plain_step_ms=plain_ms,
-                              speedup=t_graph / t_spec, predicted_speedup=predicted, identical=got == base,
-                              drafter="mtp" if p is None else f"scripted p={p:g}", **warm, **st))
-        r = out[-1]
-        print(f"{name} B=1 S={s} N={n}: {r['tokens_per_s']:.0f} tokens/s speculating vs {r['plain_tokens_per_s']:.0f} "
-              f"plain ({r['plain_eager_tokens_per_s']:.0f} eager): {r['speedup']:.2f}x (predicted "
-              f"{predicted:.2f}x); acceptance {st['acceptance']:.2f} {st['acceptance_by_position']}, "
-              f"{st['tokens_per_step']:.2f} tokens/step, draft {st['draft_ms_per_step']:.2f} ms + verify "
-              f"{st['verify_ms_per_step']:.2f} ms a step; identical {r['identical']}", flush=True)
-        del engine
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        for b in batches:
+            out.append(_row(model, name, n, p, ids, b, new, ceilings))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return out
+
+
+def _row(model, name: str, n: int, p: float | None, ids: list, b: int, new: int, ceilings: dict) -> dict:
+    c, s = model.config, len(ids)
+    blocks = b * (cdiv(s + new + n + 1, c.block_size) + 1)
+    base, t_graph, k_graph, _ = decode(Engine(model, num_blocks=blocks, prefix_caching=False), ids, new, b)
+    _, t_eager, k_eager, _ = decode(Engine(model, num_blocks=blocks, prefix_caching=False, cuda_graphs=False), ids,
+                                    new, b)
+    drafter = None if p is None else set_acceptance(base[0], ids, n, c.vocab_size, p)
+    engine = Engine(model, num_blocks=blocks, prefix_caching=False, speculative_tokens=n, drafter=drafter)
+    got, t_spec, k_spec, warm = decode(engine, ids, new, b)
+    st = engine.stats.spec.as_dict()
+    plain_ms = 1e3 * t_graph * b / k_graph  # a plain step: b tokens
+    predicted = st["tokens_per_step"] * plain_ms / max(st["draft_ms_per_step"] + st["verify_ms_per_step"], 1e-9)
+    r = result_row("engine_speculative", f"{name}+N{n}" + ("" if p is None else f"+p{p:g}"),
+                   dict(B=b, S=s, N=n, layers=c.num_hidden_layers), dict(median_us=1e6 * t_spec / k_spec, reps=1),
+                   ceilings, tokens_per_s=k_spec / t_spec, plain_tokens_per_s=k_graph / t_graph,
+                   plain_eager_tokens_per_s=k_eager / t_eager, plain_step_ms=plain_ms,
+                   speedup=(k_spec / t_spec) / (k_graph / t_graph), predicted_speedup=predicted, identical=got == base,
+                   drafter="mtp" if p is None else f"scripted p={p:g}", **warm, **st)
+    print(f"{name} B={b} S={s} N={n}: {r['tokens_per_s']:.0f} tokens/s speculating vs {r['plain_tokens_per_s']:.0f} "
+          f"plain ({r['plain_eager_tokens_per_s']:.0f} eager): {r['speedup']:.2f}x (predicted "
+          f"{predicted:.2f}x); acceptance {st['acceptance']:.2f} {st['acceptance_by_position']}, "
+          f"{st['tokens_per_step']:.2f} tokens/step, draft {st['draft_ms_per_step']:.2f} ms + verify "
+          f"{st['verify_ms_per_step']:.2f} ms a step; identical {r['identical']}", flush=True)
+    return r

@@ -54,6 +54,8 @@ def add_parser(sub) -> None:
                    "--preset with a random one) (default: %(default)s: the plain engine rows)")
     p.add_argument("--draft-acceptance", type=float, help="engine --speculative-tokens: draft with the test "
                    "drafter instead, each draft right with this probability (default: the MTP module)")
+    p.add_argument("--spec-batch", default="1", help="engine --speculative-tokens: batch sizes, comma-separated "
+                   "(default: %(default)s)")
     p.add_argument("--tp-compare", action="store_true",
                    help="render: print the newest TP=1 and TP=N engine results side by side")
     p.add_argument("--results", default="benchmarks/results", help="render, plot: folder of result JSON "
@@ -84,6 +86,10 @@ def check_ranks(args) -> None:
         raise SystemExit(f"{what}: --speculative-tokens: expected N >= 0, with `dsa bench engine` at --tp 1")
     if args.draft_acceptance is not None and not (args.speculative_tokens and 0 <= args.draft_acceptance <= 1):
         raise SystemExit(f"{what}: --draft-acceptance: expected a probability in [0, 1], with --speculative-tokens")
+    batches = args.spec_batch.split(",")
+    if not all(b.isdigit() and int(b) >= 1 for b in batches) or (args.spec_batch != "1" and not args.speculative_tokens):
+        raise SystemExit(f"{what}: --spec-batch: expected batch sizes >= 1, comma-separated, with --speculative-tokens; "
+                         f"got {args.spec_batch!r}")
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.op in DISTRIBUTED and (not under_torchrun or world < 2):
