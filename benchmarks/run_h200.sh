@@ -6,6 +6,8 @@
 #   m: bench mla        k: bench topk     i: bench indexer
 #   g: bench long at 128K-1M on demo-gpu (+ dense at 128K), ~5 min      (issue #38; each of g, s, q
 #   s: one 1M-token request through dsa serve --max-model-len, ~4 min    fills one 10-minute call)
+#   c: the prefill chunk for long prompts (issue #38 item 2): bench long at 512K (no dense rows) with
+#      --max-batch-tokens 4096, 8192, 16384, 32768, each into $OUT/chunk-N, ~5 min
 #   q: a smoke run of both (32K-256K, and a 128K request on a 1M-limit server), ~5 min
 #   v: bench engine --speculative-tokens 2 --quick (issue #39, B = 1 at the longest context): the trained
 #      default with its MTP module into $OUT/spec-default, demo-gpu with the test drafter at acceptance 0.7
@@ -53,6 +55,10 @@ spec() {  # name [bench engine flags]
                            --new 64 --out "$OUT/profile-demo-gpu" 2>&1 | grep -v "^USDT" | tail -60; }
 [[ $PARTS == *g* ]] && timeout 560 python -m dsa bench long --lengths 131072,262144,524288,1048576 --out "$OUT" \
   --git-sha "$SHA" 2>&1 | tee -a "$OUT/bench-long.log" | grep -v "^long_prefill"
+[[ $PARTS == *c* ]] && for mbt in 4096 8192 16384 32768; do
+  timeout 150 python -m dsa bench long --lengths 524288 --dense-up-to 1 --max-batch-tokens $mbt \
+    --out "$OUT/chunk-$mbt" --git-sha "$SHA" 2>&1 | tee -a "$OUT/bench-long.log" | grep -v "^long_prefill" | tail -3
+done
 [[ $PARTS == *s* ]] && serve_long 1048576 "serve-1m-h200-$(date -u +%F).json" 560
 [[ $PARTS == *q* ]] && { timeout 300 python -m dsa bench long --lengths 32768,131072,262144 --dense-up-to 32768 \
   --out "$OUT" --git-sha "$SHA" 2>&1 | grep -v "^long_prefill"; serve_long 131072 "serve-128k-on-1m-h200.json" 240; }
