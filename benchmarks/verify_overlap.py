@@ -61,11 +61,11 @@ def main(argv=None) -> int:
             sets = [set(r[r >= 0].tolist()) for r in req]
             if not sets[0]:
                 continue
-            for j in range(1, n + 1):
-                overlap[j].append(len(sets[j] & sets[0]) / max(1, len(sets[j])))
+            shares = [len(sets[j] & sets[0]) / max(1, len(sets[j])) for j in range(1, n + 1)]
+            for j, share in enumerate(shares, 1):
+                overlap[j].append(share)
             union.append(len(set().union(*sets)) / len(sets[0]))
-            per_layer[layers[key]].append(np.mean([len(sets[j] & sets[0]) / max(1, len(sets[j]))
-                                                   for j in range(1, n + 1)]))
+            per_layer[layers[key]].append(np.mean(shares))
     result = {"op": "verify-overlap", "env": env_info(), "model": name, "context": args.context, "N": n,
               "index_topk": c.index_topk, "verify_steps_layers": len(seen), "spec": engine.stats.spec.as_dict(),
               "overlap_with_row0": {str(j): round(float(np.mean(v)), 4) for j, v in overlap.items() if v},
