@@ -174,16 +174,17 @@ class _GemmRows(TorchFunctionMode):
 def test_gemm_row_counts_are_bounded_by_the_token_budget():
     """Prompts of every length meet few GEMM row counts: a prefill or mixed step's rows are padded to
     GEMM_ROW_ALIGN (cuBLASLt keeps ~7 kB of host memory per new row count and weight on a GPU, up to 8,192
-    entries); a decode-only step's are its requests. Not bounded: a routed expert's (the tokens routed to
-    it) and W_UV's (each attention path's rows). The padded steps' tokens are those of the model's forward."""
+    entries); a decode-only step's are its requests. W_UV runs at each attention path's rows: the sparse
+    prefill rows padded, a dense segment's (at most index_topk), a decode batch's. Not bounded: a routed
+    expert's (the tokens routed to it). The padded steps' tokens are those of the model's forward."""
     model = tiny_model()
     attn = [layer.self_attn for layer in model.layers]
     weights = [p for name, p in model.named_parameters() if ".experts." not in name]  # an expert's rows: its
-    weights += [m.w_uk_t for m in attn]  # tokens (MoE models run eagerly anyway); W_UV runs at each path's rows
+    weights += [m.w_uk_t for m in attn]  # tokens (MoE models run eagerly anyway)
     engine = Engine(model, num_blocks=96, max_batch_tokens=160, max_num_seqs=4)
     rng = random.Random(3)
     prompts = [[rng.randrange(1, 200) for _ in range(rng.randrange(1, 300))] for _ in range(24)]
-    with _GemmRows(weights) as mode:
+    with _GemmRows(weights) as mode, _GemmRows([m.w_uv for m in attn]) as up_v:
         out = engine.generate(prompts, max_new_tokens=3)
     for p, got in zip(prompts[:3], out):  # the padded steps' tokens: those of full-sequence greedy decoding
         seq = list(p)
@@ -194,3 +195,7 @@ def test_gemm_row_counts_are_bounded_by_the_token_budget():
     assert not odd, f"GEMM row counts neither padded to {GEMM_ROW_ALIGN} nor a decode batch: {odd}"
     allowed = {GEMM_ROW_ALIGN * i for i in range(1, 160 // GEMM_ROW_ALIGN + 2)} | set(range(1, 5))
     assert engine.runner.gemm_row_counts <= allowed, engine.runner.gemm_row_counts
+    dense_rows = model.config.index_topk  # a dense segment's rows fit in index_topk
+    odd = sorted(m for m in up_v.rows if m % GEMM_ROW_ALIGN and m > max(dense_rows, engine.scheduler.max_num_seqs))
+    assert not odd, f"W_UV row counts neither a dense segment's, a decode batch's nor padded: {odd}"
+    assert any(m > dense_rows for m in up_v.rows), f"no sparse prefill rows went up through W_UV: {up_v.rows}"

@@ -98,14 +98,19 @@ class DSAAttention(nn.Module):
         if routed.decode_only:  # every row decodes: no gather, no scatter
             return self._out(self._up_v(self._decode(q_abs, d, routed.sparse_decode, latent, step.selection)))
         # the rows past T (GEMM padding) come out as zeros; each path's latent outputs go up through W_UV
-        # at that path's row count (padding them would copy [rows, H, 512])
+        # at that path's row count: a decode batch's, a dense segment's (at most index_topk rows) or the
+        # sparse prefill rows' padded to GEMM_ROW_ALIGN (the padding rows name no slot: zeros, dropped)
         out = torch.full((x.shape[0], h, c.v_head_dim), float("nan"), dtype=x.dtype, device=x.device)
         out[t:] = 0
         if d is not None:
             out[d.rows] = self._up_v(self._decode(q_abs[d.rows], d, routed.sparse_decode, latent, step.selection))
         if sparse_rows is not None:
-            o, _ = sparse_mla(q_abs[sparse_rows], latent.data, step.selection.prefill, self.softmax_scale)
-            out[sparse_rows] = self._up_v(o)
+            n = sparse_rows.shape[0]
+            rows, slots = sparse_rows, step.selection.prefill
+            if pad := gemm_rows(n, False) - n:
+                rows, slots = F.pad(rows, (0, pad)), F.pad(slots, (0, 0, 0, pad), value=-1)
+            o, _ = sparse_mla(q_abs[rows], latent.data, slots, self.softmax_scale)
+            out[sparse_rows] = self._up_v(o)[:n]
         for seg in plan.absorbed:
             o, _ = dense_mla_decode(q_abs[seg.rows].unsqueeze(0), latent.data, seg.block_table, seg.seq_len,
                                     self.softmax_scale)
