@@ -10,8 +10,8 @@
 #   k: a soak (dsa bench serve --soak: SOAK requests of the mix, default 2000, concurrency 64; 4000 took 155 s
 #      on the H200, so SOAK=8000 is the 5-minute soak of issue #26) against a cold server
 #   K: the long soak detached (setsid): SOAK requests (default 24000) against a server bench serve starts with
-#      the default pool (issue #37 target b: the pool fills at ~15,900 requests of this mix; 12,000 took 421 s,
-#      so 24,000 ~14 min); W: wait for it (WAIT seconds, default 540) and copy soak-long.{json,log} and its
+#      the default pool (issue #37 target b: the pool fills at ~16,700 requests of this mix; 20,000 took 696 s
+#      after a 33 s start); W: wait for it (WAIT seconds, default 540) and copy soak-long.{json,log} and its
 #      memory figure to $OUT: `SOAK=24000 ... K`, then `... W`
 #      in the next calls until the log says "wrote"
 #   x: SIGTERM under load: 64 streams of 4000 tokens, SIGTERM after 15 s (--shutdown-timeout 5): the

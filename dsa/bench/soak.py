@@ -206,7 +206,8 @@ def slope(samples: list, gauge: str, start: float) -> float | None:
 
 
 def plot_memory(summary: dict, path: str) -> str:
-    """The resident memory against requests sent, the fitted second half and the pool-full point."""
+    """The resident memory against requests sent, the lines fitted over the second half and after the
+    pool-full point, and that point."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -214,13 +215,15 @@ def plot_memory(summary: dict, path: str) -> str:
     x = [m["requests"] for m in samples]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(x, [m["process_resident_memory_bytes"] / 2**20 for m in samples], "o-", label="resident memory")
-    k = summary["rss_slope_bytes_per_request"]
-    if k is not None:
-        start = summary["requests"] / 2
-        tail = [m for m in samples if m["requests"] >= start]
+    fits = [(summary["requests"] / 2, summary["rss_slope_bytes_per_request"], "--", "fit over the second half"),
+            (summary["pool_full_at"], summary["rss_slope_after_full"], "-.", "fit after the pool is full")]
+    for start, k, style, name in fits:
+        tail = [m for m in samples if start is not None and m["requests"] >= start]
+        if k is None or len(tail) < 3:
+            continue
         b = np.mean([m["process_resident_memory_bytes"] for m in tail]) - k * np.mean([m["requests"] for m in tail])
         xs = np.array([tail[0]["requests"], tail[-1]["requests"]])
-        ax.plot(xs, (b + k * xs) / 2**20, "--", label=f"fit over the second half: {k:,.0f} B/request")
+        ax.plot(xs, (b + k * xs) / 2**20, style, label=f"{name}: {k:,.0f} B/request")
     if summary["pool_full_at"] is not None:
         ax.axvline(summary["pool_full_at"], color="gray", linestyle=":", label="prefix cache evicts (pool full)")
     ax.set_xlabel("requests sent")

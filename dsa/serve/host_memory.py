@@ -6,7 +6,9 @@ Each structure has a bound (entries, and bytes per entry as ``benchmarks/host_bo
 measures them on CPU):
 
 - the prefix cache's names (``BlockManager.by_name``, ``name_of``): at most one entry per
-  cache block, ~180 B per cached block in all; full once the pool has been filled once;
+  cache block, 160-215 B per cached block in all as the dicts' tables grow in steps; once the pool
+  is full and evictions begin, each table is rebuilt once at 3x its entries (~40 MiB of resident memory
+  at the H200's 340K-block pool), then flat (docs/serving.md, "Memory over a long run");
 - the block references and in-flight names (``refs``, ``in_flight``): the blocks of the running requests;
 - the free block stack and the eviction order (``free_ids``, ``evictable``): int arrays over ``num_blocks``,
   allocated once (17 B per block), which the garbage collector never walks;
@@ -16,7 +18,9 @@ measures them on CPU):
 - the rate window (``EngineLoop._steps``): the steps of the last ``RATE_WINDOW_S`` seconds;
 - the latency histograms: fixed buckets;
 - the row counts the eager steps' GEMMs ran at (``ModelRunner.gemm_row_counts``): the steps' tokens
-  padded to a multiple of 64 (:func:`dsa.model.route.gemm_rows`), so at most ``max_batch_tokens / 64``.
+  padded to a multiple of 64 (:func:`dsa.model.route.gemm_rows`), so at most ``max_batch_tokens / 64``;
+  W_UV's too, at each attention path's rows: the sparse prefill rows padded the same way, a dense
+  segment's (at most ``index_topk``), a decode batch's (at most ``max_num_seqs x next_n``).
   cuBLASLt plans each once per weight shape (~10 in a DSA layer) and keeps it in its heuristics cache,
   an LRU of 8,192 entries (~7 kB of C heap each on the H200, ``benchmarks/gemm_host_memory.py``): the one
   growing structure outside the project's code, full after ~128 x 10 entries.
