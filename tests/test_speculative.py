@@ -198,6 +198,20 @@ def test_bench_rows_on_cpu(model, capsys):
     assert "tokens/s speculating" in capsys.readouterr().out
 
 
+def test_bench_stats_count_the_timed_window_alone(model, reference):
+    """At B > 1 with chunked prefills, requests verify drafts beside another's prefill chunk before every
+    request has its first token; the bench's draft and verify times (and the prediction made of them) are
+    the timed window's: its verify steps emit exactly the tokens the window counts."""
+    from dsa.bench.speculative import decode
+    ids = _prompts()[0]
+    e = Engine(model, num_blocks=64, max_batch_tokens=len(ids) + 2, speculative_tokens=2,
+               drafter=ScriptedDrafter(greedy_oracle([ids] * 3, [reference[0]] * 3), 2, V))
+    out, _, tokens, _ = decode(e, ids, NEW, 3)
+    assert out == [reference[0]] * 3
+    st = e.stats.spec
+    assert st.emitted == tokens, f"the stats count {st.emitted} tokens, the timed window {tokens}"
+
+
 @pytest.mark.parametrize("drafter", ["mtp", "scripted"])
 def test_chunked_prefill_steps_without_a_sampled_row(model, reference, drafter):
     """max_batch_tokens = 7: some steps only prefill a chunk (nothing samples, nothing is verified)."""

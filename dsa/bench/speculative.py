@@ -6,8 +6,8 @@ for a preset) is prefilled and NEW tokens are decoded greedily (``ignore_eos``),
 engine (CUDA graphs, its default), the plain engine eagerly (``cuda_graphs=False``: a decode step without
 graph replay), and the speculating engine (its verify steps replay graphs keyed by ``next_n = N + 1``).
 Decode time is from the moment every request has its first streamed token to the last token, so the
-prefills are not in it (at B > 1 the verify steps that still carry a prompt's chunk are in the draft and
-verify times), in a second pass of the same requests on the same engine (the first compiles its kernels and captures its graphs; the row says
+prefills are not in it, nor in the stats (the engine's stats are zeroed at that moment: at B > 1 the verify
+steps beside another request's prefill chunk would inflate the draft and verify times), in a second pass of the same requests on the same engine (the first compiles its kernels and captures its graphs; the row says
 what the timed pass still compiled and captured). The drafter is
 the model's MTP module, or with ``--draft-acceptance P`` the test drafter
 (:class:`~dsa.engine.drafter.ScriptedDrafter`) proposing the plain run's own tokens, each draft wrong
@@ -63,12 +63,11 @@ def prompt_ids(model, tok, s: int) -> list:
 
 def decode(engine: Engine, ids: list, new: int, batch: int = 1) -> tuple:
     """``(tokens of each request, decode seconds, decode tokens, warm)`` of a warm pass (the same requests
-    run once before it: its kernels compiled, its graphs captured; the engine's stats zeroed after):
+    run once before it: its kernels compiled, its graphs captured; the stats are the timed window's):
     ``batch`` requests of the prompt ``ids``, timed from the moment every one has its first token (their
     prefills done) to the last token. ``warm`` says what the timed pass still compiled and captured, and
     the first pass's seconds."""
     first = timed(engine, ids, new, batch)[1]
-    engine.reset_stats()
     graphs, kernels = len(engine.runner.graphs), compiles.total()
     out, t, tokens = timed(engine, ids, new, batch)
     return out, t, tokens, dict(first_pass_s=first, graphs_captured=len(engine.runner.graphs) - graphs,
@@ -76,7 +75,8 @@ def decode(engine: Engine, ids: list, new: int, batch: int = 1) -> tuple:
 
 
 def timed(engine: Engine, ids: list, new: int, batch: int = 1) -> tuple:
-    """``(tokens of each request, seconds, tokens)`` from every request's first token to the last."""
+    """``(tokens of each request, seconds, tokens)`` from every request's first token to the last; the
+    engine's stats count that window alone (zeroed at its start)."""
     sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     out, start, after = [[] for _ in range(batch)], None, 0
     for d in engine.stream([ids] * batch, sampling=sp):
@@ -84,6 +84,7 @@ def timed(engine: Engine, ids: list, new: int, batch: int = 1) -> tuple:
             after += len(d.token_ids)
         out[d.index].extend(d.token_ids)
         if start is None and all(out):
+            engine.reset_stats()
             start = time.perf_counter()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
