@@ -125,3 +125,12 @@ def test_drafts_must_fit_the_rows():
 
 def test_seed_key_is_stable():  # the acceptance draws hash the same keys as the sampler's noise
     assert seed_key(5) == seed_key(5 + (1 << 64))
+
+
+def test_a_sampled_batch_needs_its_sampling_arguments():
+    logits, drafts = torch.zeros(2, 3, V), torch.zeros(2, 2, dtype=torch.int64)
+    tokens, accepted = rejection_sample(logits, drafts, all_greedy=True)  # the argmax path reads none of them
+    assert tokens.shape == (2, 3) and accepted.shape == (2,)
+    args = _args(2, 2, SamplingParams(temperature=1.0), [0, 1])
+    with pytest.raises(ValueError, match="^keys: required unless all_greedy"):
+        rejection_sample(logits, drafts, **{**args, "keys": None})

@@ -34,10 +34,11 @@ def _accept_uniform(keys: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     return (((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))).view(b, n)
 
 
-def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, min_p: torch.Tensor, greedy: torch.Tensor, keys: torch.Tensor,
-                     vocab_hash: torch.Tensor, draft_probs: torch.Tensor | None = None, sort: bool = True,
-                     all_greedy: bool = False) -> tuple:
+def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, temperature: torch.Tensor | None = None,
+                     top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                     min_p: torch.Tensor | None = None, greedy: torch.Tensor | None = None,
+                     keys: torch.Tensor | None = None, vocab_hash: torch.Tensor | None = None,
+                     draft_probs: torch.Tensor | None = None, sort: bool = True, all_greedy: bool = False) -> tuple:
     """Verify ``B`` requests' drafts (module docstring).
 
     Args:
@@ -52,7 +53,8 @@ def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, temperature: to
         draft_probs: ``[B, N, V]`` fp32 the drafter's distributions, or None (a deterministic drafter).
         sort: False when no row uses top_k or top_p.
         all_greedy: True when every request is greedy (the host knows it): the argmax path alone, the
-            same tokens without the sampled path's launches.
+            same tokens without the sampled path's launches; the sampling arguments (temperature ..
+            vocab_hash) may then be None, and are required otherwise.
 
     Returns:
         ``(tokens [B, N + 1] int64, accepted [B] int64)``: request ``b`` emits ``tokens[b, :accepted[b] + 1]``
@@ -67,6 +69,11 @@ def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, temperature: to
         argmax = logits.argmax(dim=-1)  # [B, N + 1]
         accepted = ((argmax[:, :n] == drafts) & (drafts >= 0)).long().cumprod(dim=-1).sum(dim=-1)
         return _emitted(drafts, accepted, argmax.gather(1, accepted[:, None])[:, 0])
+    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, greedy=greedy, keys=keys,
+                 vocab_hash=vocab_hash)
+    missing = [name for name, t in given.items() if t is None]
+    if missing:
+        raise ValueError(f"{missing[0]}: required unless all_greedy (a sampled request's rows need it)")
     rows = logits.reshape(b * n1, v)
     rep = lambda t: t.repeat_interleave(n1)  # noqa: E731 - per request -> per row
     scaled = rows / rep(temperature)[:, None]

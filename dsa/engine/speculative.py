@@ -97,16 +97,18 @@ class VerifiedStep:
 
 def rejection_args(runner, out, result, n: int, vocab_hash: torch.Tensor) -> dict:
     """The rejection sampler's per-request parameters and per-row noise keys (the row ``j`` of a
-    request samples the token at its sampled index + j)."""
+    request samples the token at its sampled index + j); none when every request is greedy (the argmax
+    path reads none: no upload)."""
     req = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
     rows, sr = result.rows[req], runner.batch.sampling
+    if sr.greedy[rows].all():
+        return dict(all_greedy=True)
     index = np.fromiter((x.index for x in out.sampled), np.int64, len(out.sampled))
     k1, k2 = position_keys(sr.seed_key[rows][:, None], index[:, None] + np.arange(n + 1)[None, :])
     up = runner.upload  # floats as float32, ints and bools as int64
     return dict(temperature=up(sr.temperature[rows]), top_k=up(sr.top_k[rows]), top_p=up(sr.top_p[rows]),
                 min_p=up(sr.min_p[rows]), greedy=up(sr.greedy[rows]).bool(), keys=up(np.stack((k1, k2), axis=-1)),
-                vocab_hash=vocab_hash, sort=bool((sr.sorts[rows] & ~sr.greedy[rows]).any()),
-                all_greedy=bool(sr.greedy[rows].all()))
+                vocab_hash=vocab_hash, sort=bool((sr.sorts[rows] & ~sr.greedy[rows]).any()))
 
 
 def launch(engine, out) -> VerifiedStep:
