@@ -87,6 +87,18 @@ def _indexer_logits_ragged_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, starts_ptr, ends_
         tl.store(out_ptr + out_row[None, :] + pos[:, None], minus_inf, mask=t_ok[None, :] & (pos < s_end)[:, None])
 
 
+def ragged_grid(t: int, s: int, block_t: int, block_s: int, slots: int) -> tuple[tuple[int, int], int]:
+    """``((row tiles, key splits), key tiles a program)`` for ``t`` rows against ``s`` keys: the key axis
+    split so the grid stays within ``slots`` programs (one wave) whenever the row tiles alone do. A few
+    programs past a wave cost a second wave of the whole per-program time: 64 rows x 1M keys split 17 ways
+    (272 programs for 264 slots) took 1.76 ms on the H200
+    (``benchmarks/results/prefill-indexer-split-h200-2026-12-02.json``)."""
+    t_tiles, s_tiles = triton.cdiv(t, block_t), triton.cdiv(s, block_s)
+    splits = max(1, min(s_tiles, slots // t_tiles))
+    tiles_per_prog = triton.cdiv(s_tiles, splits)
+    return (t_tiles, triton.cdiv(s_tiles, tiles_per_prog)), tiles_per_prog
+
+
 def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, *, block_s=64, block_t=None, num_warps=8,
                                   stages=3, tma=False, waves=2):
     """The launch. Tuning knobs (private; ``dsa bench indexer --variants`` sweeps them): ``block_s``
@@ -105,10 +117,7 @@ def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, *, blo
     # 889 vs 869 TFLOP/s eager with 4 warps at 4096 x 64K on the H200, the same logits bit for bit
     hi_pad = max(16, triton.next_power_of_2(hi))
     block_t = max(1, 256 // hi_pad) if block_t is None else block_t
-    t_tiles, s_tiles = triton.cdiv(t, block_t), triton.cdiv(s, block_s)
-    splits = max(1, min(s_tiles, triton.cdiv(waves * sm_count(q8.device), t_tiles)))
-    tiles_per_prog = triton.cdiv(s_tiles, splits)
-    grid = (t_tiles, triton.cdiv(s_tiles, tiles_per_prog))
+    grid, tiles_per_prog = ragged_grid(t, s, block_t, block_s, waves * sm_count(q8.device))
     keys, scales = k8, k_scale
     # one variant per (HI, DI, tiles, tma): T, S and tiles_per_prog change per step (runtime values, so the
     # logits' row starts are not known to be aligned); q8 rows are HI * DI >= 32 bytes, so any row slice

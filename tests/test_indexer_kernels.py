@@ -194,6 +194,25 @@ def test_ragged_logits_tile_and_tma_variants_equal_the_default(nan_outputs):
         assert torch.equal(ragged._indexer_logits_ragged_triton(*args, **kw), default), kw
 
 
+GRIDS = [(64, 1 << 20, 264), (256, 1 << 20, 264), (4096, 1 << 16, 264), (1, 3000, 264), (5, 65, 7), (1000, 64, 264),
+         (64, 1 << 20, 132)]
+
+
+@pytest.mark.parametrize("t,s,slots", GRIDS, ids=[f"T{t}-S{s}-slots{n}" for t, s, n in GRIDS])
+def test_ragged_grid_stays_within_one_wave(t, s, slots):
+    """The ragged launch splits the key axis so that its programs fit ``slots`` whenever its row tiles
+    do (17 splits of 16 row tiles, 272 programs for 264 slots, cost a second wave on the H200), and its
+    splits cover every key tile once, none empty."""
+    ragged = importlib.import_module("dsa.kernels.indexer_logits_ragged")
+    (t_tiles, splits), per_prog = ragged.ragged_grid(t, s, 4, 64, slots)
+    s_tiles = -(-s // 64)
+    assert t_tiles == -(-t // 4)
+    assert t_tiles * splits <= max(slots, t_tiles), f"{t_tiles} x {splits} programs for {slots} slots"
+    assert (splits - 1) * per_prog < s_tiles <= splits * per_prog, (splits, per_prog, s_tiles)
+    if t_tiles <= slots // 2 and s_tiles >= slots:
+        assert t_tiles * splits > slots // 2, f"{t_tiles} x {splits} programs leave half of {slots} slots idle"
+
+
 def test_logits_kernels_refuse_more_than_128_heads():
     q8 = torch.zeros(1, 1, 129, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
     cache = torch.zeros(1, 16 * 132, dtype=torch.uint8, device=DEVICE)
