@@ -92,14 +92,14 @@ def ragged_grid(t: int, s: int, block_t: int, block_s: int, slots: int) -> tuple
     split so the grid stays within ``slots`` programs (one wave) whenever the row tiles alone do. A few
     programs past a wave cost a second wave of the whole per-program time: 64 rows x 1M keys split 17 ways
     (272 programs for 264 slots) took 1.76 ms on the H200
-    (``benchmarks/results/prefill-indexer-split-h200-2026-12-02.json``)."""
+    (``benchmarks/results/prefill-indexer-split-h200-2026-12-02-at-ed8ad97.json``)."""
     t_tiles, s_tiles = triton.cdiv(t, block_t), triton.cdiv(s, block_s)
     splits = max(1, min(s_tiles, slots // t_tiles))
     tiles_per_prog = triton.cdiv(s_tiles, splits)
     return (t_tiles, triton.cdiv(s_tiles, tiles_per_prog)), tiles_per_prog
 
 
-def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, *, block_s=64, block_t=None, num_warps=8,
+def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, *, block_s=64, block_t=None, num_warps=4,
                                   stages=3, tma=False, waves=2):
     """The launch. Tuning knobs (private; ``dsa bench indexer --variants`` sweeps them): ``block_s``
     keys and ``block_t`` query tokens a tile (None: ``256 / HI_PAD``, the dot's N dim 256), warps,
@@ -113,8 +113,10 @@ def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, *, blo
     q8, weights, k8, k_scale = q8.contiguous(), weights.contiguous(), k8.contiguous(), k_scale.contiguous()
     starts, ends = starts.contiguous(), ends.contiguous()
     # the dot's N dim BLOCK_T * HI_PAD = 256 (one wgmma; q reuse halves L2 reads per FLOP), 64 keys a
-    # tile; 8 warps split the N dim over two warpgroups (64 score registers a thread, two CTAs an SM):
-    # 889 vs 869 TFLOP/s eager with 4 warps at 4096 x 64K on the H200, the same logits bit for bit
+    # tile, one warpgroup: at the model's calls (2**26 logits a call: 1024 x 64K, 256 x 256K, 64 x 1M) 4 warps
+    # took 1148 / 1141 / 1145 us a call against 8 warps' 1200 / 1211 / 1216 on the H200, the same logits bit
+    # for bit (benchmarks/results/prefill-indexer-split-h200-2026-12-02*.json; before the one-wave grid,
+    # 8 warps led at 4096 x 64K, 889 against 869 TFLOP/s)
     hi_pad = max(16, triton.next_power_of_2(hi))
     block_t = max(1, 256 // hi_pad) if block_t is None else block_t
     grid, tiles_per_prog = ragged_grid(t, s, block_t, block_s, waves * sm_count(q8.device))

@@ -184,6 +184,30 @@ def test_engine_step_timing_reports_the_median_and_the_mean_apart(gaps, median):
     assert t["reps"] == len(gaps) and t["p10_us"] <= t["median_us"] <= t["p90_us"], t
 
 
+def test_engine_bench_finds_the_graph_its_last_step_replayed(monkeypatch):
+    """``bench engine`` times the graph of its timed window's last step: the key it asks for is one the
+    runner captured (CUDA graphs emulated on the CPU: ``record`` runs the step, a replay reruns it)."""
+    from types import SimpleNamespace
+
+    from dsa import DSAConfig, DSAModel
+    from dsa.bench.engine import STEPS, WARMUP, decoding_engine, last_step_bucket
+    model = DSAModel.random(DSAConfig.tiny(n_routed_experts=None, block_size=64), dtype=torch.float32)
+    b, s = 3, 300  # the bench's random index cache rows are 64-token blocks
+    engine = decoding_engine(model, b, s, torch.Generator().manual_seed(0), cuda_graphs=None)
+
+    def record(step):
+        outputs = step()
+        return SimpleNamespace(replay=lambda: [o.copy_(r) for o, r in zip(outputs, step()) if o is not None]), outputs
+
+    monkeypatch.setattr(engine.runner, "use_graphs", True)
+    monkeypatch.setattr(engine.runner, "record", record)
+    for _ in range(WARMUP + STEPS):
+        engine.step()
+    assert engine.stats.graph_steps == WARMUP + STEPS
+    key = last_step_bucket(b, s, model.config.block_size)
+    assert key in engine.runner.graphs, f"bench engine asks for {key}; the runner captured {list(engine.runner.graphs)}"
+
+
 def test_render_into_a_readme_without_markers_is_one_line(tmp_path):
     shutil.copy(FIXTURE, tmp_path / "indexer-h200-2026-11-29.json")
     readme = tmp_path / "README.md"

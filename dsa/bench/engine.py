@@ -27,6 +27,7 @@ single-process invocation; ``dsa bench render --tp-compare`` puts the two files 
 """
 import time
 
+import numpy as np
 import torch
 
 from dsa.config import DSAConfig
@@ -36,7 +37,7 @@ from dsa.kernels.common import cdiv
 from dsa.model import DSAModel
 from dsa.model.parallel import without_all_reduce
 from dsa.model.presets import GPU_DEFAULT
-from dsa.model.route import batch_bucket, context_bucket
+from dsa.model.route import graph_bucket
 
 from .harness import result_row
 from .indexer import random_index_cache
@@ -76,11 +77,11 @@ def fill_caches(engine: Engine, g: torch.Generator) -> None:
                 index.data[b0:b1] = random_index_cache(b1 - b0, index.data.device, g)
 
 
-def decoding_engine(model, b: int, s: int, g: torch.Generator) -> Engine:
+def decoding_engine(model, b: int, s: int, g: torch.Generator, cuda_graphs: bool | None = True) -> Engine:
     """An engine whose B requests sit at context S with their first token sampled."""
     p = model.config.block_size
     steps = WARMUP + STEPS + 3  # + the step that captures the graph without all-reduce
-    engine = Engine(model, num_blocks=b * cdiv(s + steps, p), cuda_graphs=True, prefix_caching=False)
+    engine = Engine(model, num_blocks=b * cdiv(s + steps, p), cuda_graphs=cuda_graphs, prefix_caching=False)
     fill_caches(engine, g)
     for i in range(b):
         tokens = torch.randint(0, model.config.vocab_size, (s,), generator=torch.Generator().manual_seed(i))
@@ -137,6 +138,12 @@ def prefill_row(name: str, model, ceilings, tp_extra: dict, say) -> dict:
     return row
 
 
+def last_step_bucket(b: int, s: int, block_size: int):
+    """The graph key of the timed window's last step: ``b`` requests decoding one token each, the
+    longest at ``s + WARMUP + STEPS`` tokens (the runner's :func:`~dsa.model.route.graph_bucket`)."""
+    return graph_bucket(np.ones(b, np.int32), s + WARMUP + STEPS, block_size)
+
+
 def run(device, timer, ceilings, args) -> list:
     if getattr(args, "speculative_tokens", 0):
         from .speculative import run as speculative_rows
@@ -164,7 +171,7 @@ def run(device, timer, ceilings, args) -> list:
             timing = step_timing(t0, returned, time.perf_counter())
             mean_us = timing["mean_us"]
             assert engine.stats.graph_steps == WARMUP + STEPS and produced == b * STEPS
-            graph = engine.runner.graphs[(batch_bucket(b), context_bucket(s + WARMUP + STEPS, model.config.block_size))]
+            graph = engine.runner.graphs[last_step_bucket(b, s, model.config.block_size)]
             replay = timer(graph.graph.replay)
             extra = {}
             if tp.size > 1:  # capture the step again with no all-reduce: the replicated and sharded compute alone
