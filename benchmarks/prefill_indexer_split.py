@@ -1,10 +1,10 @@
 """Where the prefill indexer's time goes at long context (issue #38): one ragged-logits call of the model's
 chunked loop (``indexer/lightning.py``: ``RAGGED_CHUNK_ELEMS // S`` query rows against ``S`` keys), split
-into the logits kernel and the top-k's three kernels, then the launchers' tuning knobs at that shape, each
+into the logits kernel and the top-k's kernels, then the launchers' tuning knobs at that shape, each
 checked against the default launch. Graph replay, L2 flushed, scaled to ``--rows`` query rows (a prefill
 chunk); the top-k kernels' split from ``torch.profiler`` over eager calls.
 
-    python benchmarks/prefill_indexer_split.py [--lengths 65536,262144,1048576] [--rows 4096] --out F.json
+    python benchmarks/prefill_indexer_split.py [--lengths 65536,262144,524288,1048576] [--rows 4096] --out F.json
 """
 import argparse
 import json
@@ -21,10 +21,11 @@ from dsa.kernels.topk.launch import topk_triton
 from dsa.report import env_info
 
 CHUNKS = (1 << 26, 1 << 28)  # rows x keys per call: the model's RAGGED_CHUNK_ELEMS, and 4x it
-TOPK_KNOBS = [dict(sample=2048), dict(sample=4096), dict(programs=528), dict(programs=1056), dict(block=2048),
-              dict(block=4096, num_warps=8), dict(sample=2048, programs=528), dict(min_chunk=16384)]
-LOGITS_KNOBS = [dict(waves=1), dict(stages=4), dict(stages=2), dict(num_warps=4), dict(block_t=2),
-                dict(block_s=128, num_warps=8), dict(block_s=128, block_t=2, num_warps=8), dict(tma=True)]
+# the tile bound (kernels/topk/bound.py) off (the sampled guess at every width) and on at narrower rows; its
+# tile width and tile-maxima programs; the guess's sample and programs
+TOPK_KNOBS = [dict(bound_tiles=1 << 30), dict(bound_tiles=1), dict(bound_tiles=2), dict(tile=32), dict(tile=128),
+              dict(tile_programs=264), dict(tile_programs=1056), dict(sample=2048), dict(programs=1056)]
+LOGITS_KNOBS = [dict(waves=1), dict(waves=3), dict(waves=4)]
 
 
 def kernel_split(fn, calls: int = 5) -> dict:
@@ -88,7 +89,7 @@ def split_at(dev, timer, ceilings, s: int, elems: int, rows: int, knobs: bool, s
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="65536,262144,1048576")
+    ap.add_argument("--lengths", default="65536,262144,524288,1048576")
     ap.add_argument("--rows", type=int, default=4096, help="query rows of the prefill chunk the times scale to")
     ap.add_argument("--no-knobs", action="store_true", help="the default launches only")
     ap.add_argument("--reps", type=int, default=10)

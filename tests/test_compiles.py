@@ -51,6 +51,10 @@ ENTRY_KERNELS = {
         fixed={"stride_o", "P", "k"}, tables={"lengths_ptr", "starts_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"}),
     ("topk.launch", "_place_kernel"): dict(
         fixed={"stride_o", "P", "k"}, tables={"lengths_ptr", "starts_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"}),
+    ("topk.launch", "_scan_tiles_kernel"): dict(
+        fixed={"stride_o", "P", "k"}, tables={"lengths_ptr", "starts_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"}),
+    ("topk.bound", "_tile_max_kernel"): dict(fixed={"k"}, tables={"lengths_ptr", "starts_ptr"}),
+    ("topk.bound", "_bound_kernel"): dict(fixed={"k"}, tables={"lengths_ptr", "starts_ptr"}),
 }
 
 

@@ -260,3 +260,92 @@ def test_finish_tile_shapes_cover_every_tile_the_launcher_picks(k, max_width, ma
 def test_warm_topk_slots_launches_each_tile_once():
     from dsa.kernels.topk import finish_tile_shapes, warm_topk_slots
     assert warm_topk_slots(16, 300, 3, 16, "cpu") == len(finish_tile_shapes(16, 300, 3)) >= 1
+
+
+def test_warm_topk_slots_compiles_the_tile_bound_when_rows_reach_it(monkeypatch):
+    """Widths that take the tile bound add its two variants (with and without starts) to the warm-up."""
+    from dsa.kernels.topk import finish_tile_shapes, ops, warm_topk_slots
+    seen = []
+    monkeypatch.setattr(ops, "topk_slots", lambda logits, *a: seen.append((tuple(logits.shape), a[-1] is not None)))
+    k, width = 4, 4 * 4 * 64
+    assert warm_topk_slots(k, width, 2, 16, "cpu") == len(finish_tile_shapes(k, width, 2)) + 2
+    assert seen[-2:] == [((1, width), False), ((1, width), True)]
+
+
+BOUNDED = dict(SMALL, bound_tiles=1, tile=8, tile_programs=40)  # rows of >= k tiles of 8 take the tile bound
+
+
+def _tile_bound(row, n, k, tile):
+    """The torch statement of the bound: the k-th largest tile maximum of ``row[:n]`` (order keys)."""
+    keys = order_key(row[:n])
+    pad = (-n) % tile
+    maxima = torch.cat((keys, keys.new_full((pad,), torch.iinfo(torch.int64).min))).view(-1, tile).max(1).values
+    return maxima.sort(descending=True).values[k - 1], maxima
+
+
+@pytest.mark.parametrize("slots", [False, True], ids=["positions", "slots"])
+def test_tile_bound_is_exact_on_adversarial_rows(slots):
+    """The tile bound's path (tile maxima, the bound, the scan of the listed tiles) selects the
+    reference's set on every adversarial row, with starts, a clipped length and garbage past it, as
+    positions and as slots; the same output as the sampled guess's path."""
+    g = torch.Generator().manual_seed(5)
+    width, k, p = 501, 40, 16
+    logits, lengths, starts = adversarial_rows(width, k, g)
+    r = logits.shape[0]
+    table = torch.randperm(40 * r, generator=g)[:29 * r].view(r, 29).to(torch.int32)
+    extra = (table, torch.arange(r, dtype=torch.int32).flip(0), torch.full((r,), width, dtype=torch.int32), p)
+    extra = extra if slots else None
+    bounded = torch.full((r, k), POISON, dtype=torch.int32)
+    scratch = {}
+    topk_triton(logits, lengths, k, starts, extra, out=bounded, scratch=scratch, **BOUNDED)
+    assert "listed" in scratch, "the call must take the tile bound"
+    guessed = topk_triton(logits, lengths, k, starts, extra, **SMALL)
+    if slots:
+        assert torch.equal(bounded.sort(1).values, guessed.sort(1).values)
+    else:
+        check_topk(bounded, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
+        assert torch.equal(bounded.sort(1).values, guessed.sort(1).values)
+
+
+@pytest.mark.parametrize("n,k,tile", [(601, 7, 8), (1000, 40, 16), (333, 5, 64)], ids=["k7", "k40", "one-tile-k"])
+def test_tile_bound_is_the_kth_tile_maximum_and_lists_its_tiles(n, k, tile):
+    """``lo`` is exactly the k-th largest tile maximum of the window (not a looser key), the listed
+    tiles are those reaching it, and on random rows they are far fewer than all tiles."""
+    g = torch.Generator().manual_seed(n)
+    rows = torch.randn(3, n + 17, generator=g)
+    lengths = torch.tensor([n, n - 1, n // 2 + k * tile], dtype=torch.int32).clamp_max(n)
+    starts = torch.tensor([0, 17, 3], dtype=torch.int32)
+    scratch = {}
+    out = topk_triton(rows, lengths, k, starts, scratch=scratch, **dict(BOUNDED, tile=tile))
+    check_topk(out, rows, lengths, k, starts, topk_indices_reference(rows, lengths, k, starts))
+    for i in range(3):
+        s, m = int(starts[i]), int(lengths[i])
+        tau, maxima = _tile_bound(rows[i, s:], m, k, tile)
+        lo = int(scratch["guess"][i, 0])
+        assert lo == int(tau), (i, lo, int(tau))  # order keys and kernel keys are the same int32 order
+        assert int(scratch["listed"][i]) == int((maxima >= tau).sum())
+        if m // tile >= 4 * k:
+            assert int(scratch["listed"][i]) < m // tile // 2, "random rows must leave most tiles out"
+
+
+def test_tile_bound_falls_back_to_every_tile_when_the_tiles_hold_only_the_lowest_nan():
+    """Fewer than k tiles holding anything above the lowest key (0xFFFFFFFF, a -NaN): the bound is
+    INT_MIN, every tile is listed, and the selection stays exact."""
+    width, k = 300, 12
+    logits = torch.empty(2, width)
+    logits.view(torch.int32)[:] = -1  # 0xFFFFFFFF: the lowest key
+    logits[0, [5, 77, 140]] = 1.0  # 3 tiles hold something higher, fewer than k
+    lengths = torch.tensor([width, width - 3], dtype=torch.int32)
+    scratch = {}
+    out = topk_triton(logits, lengths, k, None, scratch=scratch, **BOUNDED)
+    check_topk(out, logits, lengths, k, None, topk_indices_reference(logits, lengths, k))
+    assert scratch["guess"][:, 0].tolist() == [-2 ** 31] * 2
+    assert scratch["listed"].tolist() == [-(-width // 8), -(-(width - 3) // 8)]
+
+
+@pytest.mark.parametrize("width,k,expect", [(2048, 2048, False), (4 * 2048 * 64 - 1, 2048, False),
+                                            (4 * 2048 * 64, 2048, True), (1 << 20, 2048, True), (1 << 20, 1 << 20, False)],
+                         ids=["dense", "below", "at", "1M", "k-wide"])
+def test_bounded_routes_by_width(width, k, expect):
+    from dsa.kernels.topk.launch import bounded
+    assert bounded(width, k) is expect

@@ -4,7 +4,9 @@
 any bounded candidate buffer, 10-bit values, NaN/inf inside and past the length, -inf rows, rows
 built against the kernel's sample), lengths 0, 1, k-1, k, k+1 and starts != 0, compared with the
 reference tie-aware; ``topk_slots`` equal to ``positions_to_slots`` of the same selection; 20 runs
-bitwise equal; CUDA-graph capture and replay; three Triton launches (scan, place, finish) and no memset per call.
+bitwise equal; CUDA-graph capture and replay; three Triton launches (scan, place, finish) and no memset per call,
+five on the tile bound of rows of 512K columns and more (tile maxima, bound, scan of the listed tiles, place,
+finish), whose selections equal the sampled guess's.
 """
 import pytest
 import torch
@@ -145,9 +147,14 @@ def test_rows_built_against_the_sample():
     assert (hist[1].sum() - hist[1].cumsum(0) + hist[1] >= k).sum() - 1 == 255, "the far row must reach the top bin"
 
 
-def test_three_launches():
-    """scan, place, finish: no memset, nothing else."""
-    logits, lengths, starts = _rows(64, 65536, 2048, seed=1)
+@pytest.mark.parametrize("r,width,kernels", [
+    (64, 65536, ["_finish_kernel", "_place_kernel", "_scan_kernel"]),
+    (8, 1 << 20, ["_bound_kernel", "_finish_kernel", "_place_kernel", "_scan_tiles_kernel", "_tile_max_kernel"])],
+    ids=["guess-64x64K", "tile-bound-8x1M"])
+def test_launches(r, width, kernels):
+    """The sampled guess: scan, place, finish; the tile bound: tile maxima, bound, scan of the listed
+    tiles, place, finish. No memset, nothing else."""
+    logits, lengths, starts = _rows(r, width, 2048, seed=1)
     op = lambda: K.topk_indices(logits, lengths, 2048, starts)  # noqa: E731
     op()
     torch.cuda.synchronize()
@@ -156,4 +163,35 @@ def test_three_launches():
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert [n for n in names if "memset" in n.lower() or "fill" in n.lower()] == [], names
-    assert sorted(n for n in names) == ["_finish_kernel", "_place_kernel", "_scan_kernel"], names
+    assert sorted(n for n in names) == kernels, names
+
+
+@pytest.mark.parametrize("width", [1 << 19, (1 << 20) + 4099], ids=["512K", "1M-odd"])
+def test_tile_bound_equals_the_guess_on_prefill_windows(width):
+    """64 prefill rows of one chunk (causal windows ending at consecutive positions, as the ragged
+    logits give them, -inf past each end), as positions and slots: the tile bound's selections
+    equal the sampled guess's and the reference's, and graph replay gives them again."""
+    g = torch.Generator(device="cuda").manual_seed(width)
+    r, k = 64, 2048
+    logits = torch.randn(r, width, device="cuda", generator=g)
+    ends = torch.arange(width - r + 1, width + 1, dtype=torch.int32, device="cuda")
+    logits[torch.arange(width, device="cuda")[None, :] >= ends[:, None]] = float("-inf")
+    logits[::5] = (logits[::5] * 8).round()  # ties at the threshold
+    starts = torch.zeros(r, dtype=torch.int32, device="cuda")
+    starts[1::7] = 1000
+    lengths = ends - starts
+    table, row_to_req, seq_lens = _slots_inputs(r, width, seed=width)
+    guessed = topk_triton(logits, lengths, k, starts, bound_tiles=1 << 30)
+    bounded = topk_triton(logits, lengths, k, starts)
+    check_topk(bounded, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
+    assert torch.equal(bounded.sort(1).values, guessed.sort(1).values)
+    run = lambda: K.topk_slots(logits, lengths, k, table, row_to_req, seq_lens, P, starts)  # noqa: E731
+    slots = run()
+    assert torch.equal(slots, positions_to_slots_reference(bounded, table, row_to_req, seq_lens, P))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    logits[3:9] = logits[3:9].flip(1)  # new values, the same windows
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, run())

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from dsa.kernels.common import cdiv
 
+from .bound import TBLOCK, TILE, _bound_kernel, _tile_max_kernel
 from .guess import SEG, Z, guess_row, key_of
 from .regions import (
     HBLOCK,
@@ -59,6 +60,20 @@ NUM_WARPS = 4
 PROGRAMS = 264  # scan programs per launch the row split aims at (2 per H200 SM)
 MIN_CHUNK = 4096  # columns per program at least: every program pays for the same guess
 SAMPLE = 512  # sample columns per row, read in runs of SEG (every scan program reads it: the guess)
+BOUND_TILES = 4  # logits take the tile bound when a row of their width has this many tiles per k at least
+TILE_PROGRAMS = 528  # tile-maxima programs per launch the row split aims at (4 per H200 SM)
+
+
+@triton.jit
+def _dense_row(out_ptr, stride_o, r, n, k, bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P,
+               SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """A row of ``n <= k`` columns: 0, 1, ..., n - 1, then -1."""
+    bt_row, seq_len = row_request(r, row_to_req_ptr, bt_ptr, stride_bt, seq_lens_ptr, B, SLOTS)
+    cols = tl.arange(0, BLOCK)
+    for j in range(0, k, BLOCK):
+        idx = j + cols
+        store_positions(out_ptr + r * stride_o, idx, tl.where(idx < n, idx, -1), idx < k, bt_row, seq_len, MB, P,
+                        SLOTS)
 
 
 @triton.jit(do_not_specialize=["stride_l", "stride_c", "stride_bt", "B", "MB", "L", "C", "CAP"],
@@ -74,14 +89,10 @@ def _scan_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_
     c = tl.program_id(1)
     start, n = row_window(lengths_ptr, starts_ptr, r, L, HAS_STARTS)
     row_l = logits_ptr + r * stride_l + start  # column `pos` of the row's window at row_l + pos
-    if n <= k:  # dense row: 0, 1, ..., n - 1, then -1
+    if n <= k:
         if c == 0:
-            bt_row, seq_len = row_request(r, row_to_req_ptr, bt_ptr, stride_bt, seq_lens_ptr, B, SLOTS)
-            cols = tl.arange(0, BLOCK)
-            for j in range(0, k, BLOCK):
-                idx = j + cols
-                store_positions(out_ptr + r * stride_o, idx, tl.where(idx < n, idx, -1), idx < k, bt_row, seq_len,
-                                MB, P, SLOTS)
+            _dense_row(out_ptr, stride_o, r, n, k, bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P, SLOTS,
+                       BLOCK)
     else:
         chunk = ((n + C - 1) // C + 3) // 4 * 4  # <= CAP
         col_lo = c * chunk
@@ -104,6 +115,48 @@ def _scan_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_
         if c == 0:
             tl.store(guess_ptr + r * 4, lo)
             tl.store(guess_ptr + r * 4 + 1, shift)
+
+
+@triton.jit(do_not_specialize=["stride_l", "stride_c", "stride_t", "stride_bt", "B", "MB", "L", "C", "CAP"],
+            do_not_specialize_on_alignment=["lengths_ptr", "starts_ptr", "bt_ptr", "row_to_req_ptr", "seq_lens_ptr"])
+def _scan_tiles_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, stride_o, cand_ptr, stride_c,
+                       cnt_ptr, hist_ptr, guess_ptr, tlist_ptr, stride_t, nsel_ptr, bt_ptr, stride_bt, row_to_req_ptr,
+                       seq_lens_ptr, B, MB, P, L, k, C, CAP,
+                       HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                       HBLOCK: tl.constexpr):
+    # the scan of a row with a tile bound (bound.py): program (row, chunk) takes its share of the
+    # row's listed tiles (in column order) and appends their columns with key >= lo to its region,
+    # then stores the region's bin histogram and count, as _scan_kernel does for a whole chunk.
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    start, n = row_window(lengths_ptr, starts_ptr, r, L, HAS_STARTS)
+    if n <= k:
+        if c == 0:
+            _dense_row(out_ptr, stride_o, r, n, k, bt_ptr, stride_bt, row_to_req_ptr, seq_lens_ptr, B, MB, P, SLOTS,
+                       BLOCK)
+    else:
+        TPS: tl.constexpr = BLOCK // TILE
+        nsel = tl.load(nsel_ptr + r)
+        lo = tl.load(guess_ptr + r * 4)
+        shift = tl.load(guess_ptr + r * 4 + 1)
+        per = tl.cdiv(tl.cdiv(nsel, C), TPS) * TPS  # tiles a program: its region holds per * TILE <= CAP
+        j_lo = c * per
+        j_hi = tl.minimum(j_lo + per, nsel)
+        row_l = logits_ptr + r * stride_l + start
+        idx = tl.arange(0, BLOCK)
+        region = cand_ptr + r * stride_c + c * CAP
+        cnt = 0
+        for j in range(j_lo, j_hi, TPS):
+            tj = j + idx // TILE
+            tile = tl.load(tlist_ptr + r * stride_t + tj, mask=tj < j_hi, other=0)
+            pos = tile * TILE + idx % TILE
+            m = (tj < j_hi) & (pos < n)
+            key = key_of(tl.load(row_l + pos, mask=m, other=0.0))
+            cnt = append_candidates(region, cnt, key, pos, m & (key >= lo))
+        tl.debug_barrier()  # the region is written before this program reads it back
+        h = region_hist(region, cnt, lo, shift, HBLOCK)
+        tl.store(hist_ptr + (r * C + c) * 256 + tl.arange(0, 256), h)
+        tl.store(cnt_ptr + r * C + c, cnt)
 
 
 @triton.jit(do_not_specialize=["window", "stride_c", "stride_bt", "B", "MB", "C", "CAP"],
@@ -178,13 +231,23 @@ def _finish_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, strid
                    LBLOCK)
 
 
+def bounded(width: int, k: int, bound_tiles: int = BOUND_TILES, tile: int = TILE) -> bool:
+    """Whether logits ``width`` columns wide take the tile bound (``bound.py``): a row that wide has at
+    least ``bound_tiles * k`` tiles."""
+    return width > k and width >= bound_tiles * k * tile
+
+
 def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs=PROGRAMS, min_chunk=MIN_CHUNK,
-                sample=SAMPLE, num_warps=NUM_WARPS, out=None, scratch=None):
-    """Three launches. ``slots``: ``(block_table, row_to_req, seq_lens, block_size)`` to write
-    slots; ``block``/``programs``/``min_chunk``/``sample``/``num_warps``/``out`` for tests and
-    tuning; ``scratch``: a dict that receives the region histograms ``[R, C, 256]``, the region
-    counts ``[R, C]`` (after the place kernel: the counts of their bin-b fronts) and the finish
-    tile's ``(CB, W)`` (tests)."""
+                sample=SAMPLE, num_warps=NUM_WARPS, bound_tiles=BOUND_TILES, tile=TILE, tile_programs=TILE_PROGRAMS,
+                out=None, scratch=None):
+    """Three launches, five for logits wide enough for the tile bound (:func:`bounded`: the tile maxima
+    and the bound replace the guess, and the scan reads only the listed tiles). ``slots``:
+    ``(block_table, row_to_req, seq_lens, block_size)`` to write slots;
+    ``block``/``programs``/``min_chunk``/``sample``/``num_warps``/``bound_tiles``/``tile``/
+    ``tile_programs``/``out`` for tests and tuning; ``scratch``: a dict that receives the region
+    histograms ``[R, C, 256]``, the region counts ``[R, C]`` (after the place kernel: the counts of
+    their bin-b fronts), the finish tile's ``(CB, W)`` and, on the tile bound, the guess records
+    ``[R, 4]`` and the listed tiles per row ``[R]`` (tests)."""
     r, width = logits.shape
     if out is None:
         out = torch.empty((r, k), dtype=torch.int32, device=logits.device)
@@ -194,7 +257,12 @@ def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs
     lengths = lengths.contiguous()
     starts_t = lengths if starts is None else starts.contiguous()
     chunks = max(1, min(triton.cdiv(width, min_chunk), triton.cdiv(programs, r))) if width > k else 1
-    cap = triton.cdiv(triton.cdiv(width, chunks), 4) * 4
+    bound = bounded(width, k, bound_tiles, tile)
+    tiles = triton.cdiv(width, tile)
+    if bound:  # a region holds its program's share of the listed tiles, whole steps of block // tile
+        cap = triton.cdiv(triton.cdiv(tiles, chunks), block // tile) * block
+    else:
+        cap = triton.cdiv(triton.cdiv(width, chunks), 4) * 4
     i32 = dict(dtype=torch.int32, device=logits.device)
     if width <= k:  # every row is dense: nothing else is read
         hist = cnt = guess = cand = out
@@ -218,10 +286,26 @@ def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs
     # loads are not known to be aligned). lengths, starts and the slot tables (plan views at any offset)
     # are not specialized on their alignment.
     flags = dict(HAS_STARTS=starts is not None, SLOTS=slots is not None)
-    _scan_kernel[(r, chunks)](
-        logits, logits.stride(0), lengths, starts_t, out, out.stride(0), cand, cand.stride(0), cnt, hist, guess,
-        *table, width, k, chunks, cap, **flags, BLOCK=block, SAMPLE=sample, SEG=SEG, Z=Z, HBLOCK=HBLOCK,
-        num_warps=num_warps)
+    if bound:
+        tmax = torch.empty((r, tiles), **i32)  # every tile of a row with n > k written
+        tlist = torch.empty((r, tiles), **i32)
+        nsel = torch.empty((r,), **i32)
+        if scratch is not None:
+            scratch.update(guess=guess, listed=nsel)
+        ct = max(1, triton.cdiv(tile_programs, r))
+        _tile_max_kernel[(r, ct)](logits, logits.stride(0), lengths, starts_t, tmax, tmax.stride(0), width, k, ct,
+                                 HAS_STARTS=flags["HAS_STARTS"], BLOCK=block, TILE=tile, num_warps=num_warps)
+        _bound_kernel[(r,)](lengths, starts_t, tmax, tmax.stride(0), tlist, guess, nsel, width, k,
+                           HAS_STARTS=flags["HAS_STARTS"], TILE=tile, TBLOCK=TBLOCK, num_warps=num_warps)
+        _scan_tiles_kernel[(r, chunks)](
+            logits, logits.stride(0), lengths, starts_t, out, out.stride(0), cand, cand.stride(0), cnt, hist, guess,
+            tlist, tlist.stride(0), nsel, *table, width, k, chunks, cap, **flags, BLOCK=block, TILE=tile,
+            HBLOCK=HBLOCK, num_warps=num_warps)
+    else:
+        _scan_kernel[(r, chunks)](
+            logits, logits.stride(0), lengths, starts_t, out, out.stride(0), cand, cand.stride(0), cnt, hist, guess,
+            *table, width, k, chunks, cap, **flags, BLOCK=block, SAMPLE=sample, SEG=SEG, Z=Z, HBLOCK=HBLOCK,
+            num_warps=num_warps)
     if width <= k:
         return out
     _place_kernel[(r, chunks)](

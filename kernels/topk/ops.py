@@ -5,7 +5,7 @@ import triton
 
 from dsa.kernels.common import check_block_size, check_int, check_same_device, check_tensor, resolve_backend
 
-from .launch import finish_tile_shapes, topk_triton
+from .launch import bounded, finish_tile_shapes, topk_triton
 from .reference import topk_indices_reference, topk_slots_reference
 
 
@@ -76,12 +76,17 @@ def topk_slots(logits: torch.Tensor, lengths: torch.Tensor, k: int, block_table:
 
 def warm_topk_slots(k: int, max_width: int, max_rows: int, block_size: int, device) -> int:
     """Launch :func:`topk_slots` once per finish tile it can choose up to ``[max_rows, max_width]``
-    (:func:`~.launch.finish_tile_shapes`), so a server never compiles one later. Returns the launches."""
-    shapes = finish_tile_shapes(k, max_width, max_rows)
-    for rows, width in shapes.values():
+    (:func:`~.launch.finish_tile_shapes`) and, when rows that wide take the tile bound
+    (:func:`~.launch.bounded`), once more on it with and without ``starts``, so a server never
+    compiles one later. Returns the launches."""
+    shapes = list(finish_tile_shapes(k, max_width, max_rows).values())
+    if bounded(max_width, k):
+        shapes += [(1, max_width, False), (1, max_width, True)]
+    for rows, width, *with_starts in shapes:
         logits = torch.randn(rows, width, device=device)
         lengths = torch.full((rows,), width, dtype=torch.int32, device=device)
+        starts = torch.zeros(rows, dtype=torch.int32, device=device) if with_starts and with_starts[0] else None
         table = torch.zeros(1, triton.cdiv(width, block_size), dtype=torch.int32, device=device)
         topk_slots(logits, lengths, k, table, torch.zeros(rows, dtype=torch.int32, device=device), lengths[:1],
-                   block_size)
+                   block_size, starts)
     return len(shapes)

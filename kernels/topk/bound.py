@@ -1,0 +1,94 @@
+"""The tile bound of wide rows: a key that at least k columns reach, found from tile maxima, and the
+tiles that can hold the row's best k.
+
+A row of ``n`` columns is cut into ``cdiv(n, TILE)`` tiles of TILE columns. If at least k tiles
+have a maximum ``>= tau`` (a key), at least k distinct columns reach ``tau``, so the row's k-th
+value is ``>= tau``; every column of the best k, and every column tied with the k-th value, then
+lies in a tile whose maximum is ``>= tau``. The tightest such ``tau`` is the k-th largest tile
+maximum: at 1M columns and k = 2048 it leaves ~2K of 16K tiles and ~2.2K candidate columns, where
+the sampled guess of :mod:`.guess` leaves ~16K candidates among all 1M columns.
+
+``tile_max`` (program per row chunk) writes each tile's maximum key, over the row's window only
+(``INT_MIN`` past it); ``bound`` (program per row) finds the k-th largest of them 8 bits at a time
+and lists the tiles reaching it in column order. A row whose k-th largest tile maximum is
+``INT_MIN`` (fewer than k tiles hold anything but the lowest NaN) lists every tile with
+``lo = INT_MIN``: every column is a candidate, as exact and slower.
+"""
+import triton
+import triton.language as tl
+
+from .guess import INT_MIN, key_of, pick_digit
+from .regions import row_window
+
+TILE = 64  # columns a tile
+TBLOCK = 1024  # tile maxima a step of the bound kernel
+
+
+@triton.jit(do_not_specialize=["stride_l", "stride_t", "L", "CT"],
+            do_not_specialize_on_alignment=["lengths_ptr", "starts_ptr"])
+def _tile_max_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, tmax_ptr, stride_t, L, k, CT,
+                    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    # program (row, chunk): the maximum key of each tile of the chunk's tiles; rows of n <= k skip
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    start, n = row_window(lengths_ptr, starts_ptr, r, L, HAS_STARTS)
+    if n > k:
+        TPS: tl.constexpr = BLOCK // TILE
+        nt = tl.cdiv(n, TILE)
+        per = tl.cdiv(tl.cdiv(nt, CT), TPS) * TPS  # tiles a program, whole steps
+        t_lo = c * per
+        t_hi = tl.minimum(t_lo + per, nt)
+        row_l = logits_ptr + r * stride_l + start
+        cols = tl.arange(0, BLOCK)
+        tiles = tl.arange(0, TPS)
+        pos = t_lo * TILE + cols
+        x = tl.load(row_l + pos, mask=pos < n, other=0.0)  # one step ahead
+        for t0 in range(t_lo, t_hi, TPS):
+            x_next = tl.load(row_l + pos + BLOCK, mask=pos + BLOCK < n, other=0.0)
+            key = tl.where(pos < n, key_of(x), INT_MIN)
+            best = tl.max(tl.reshape(key, [TPS, TILE]), 1)
+            tl.store(tmax_ptr + r * stride_t + t0 + tiles, best, mask=t0 + tiles < t_hi)
+            pos, x = pos + BLOCK, x_next
+
+
+@triton.jit(do_not_specialize=["stride_t", "L"], do_not_specialize_on_alignment=["lengths_ptr", "starts_ptr"])
+def _bound_kernel(lengths_ptr, starts_ptr, tmax_ptr, stride_t, tlist_ptr, guess_ptr, nsel_ptr, L, k,
+                 HAS_STARTS: tl.constexpr, TILE: tl.constexpr, TBLOCK: tl.constexpr):
+    # program (row): tau = the k-th largest tile maximum; guess[r] = (lo, shift) with lo = tau (or
+    # INT_MIN when tau is INT_MIN) and 2**shift a bin width that cuts [lo, the row's top key] into
+    # < 256 bins; the tiles reaching lo, in column order, at tlist[r, :nsel[r]]
+    r = tl.program_id(0).to(tl.int64)
+    _start, n = row_window(lengths_ptr, starts_ptr, r, L, HAS_STARTS)
+    if n > k:
+        nt = tl.cdiv(n, TILE)
+        row = tmax_ptr + r * stride_t
+        idx = tl.arange(0, TBLOCK)
+        rem = k
+        prefix = tl.zeros([], tl.int64)  # the bits of tau above lo_bit, in unsigned order (key - INT_MIN)
+        top = tl.zeros([], tl.int64)
+        for d in tl.static_range(4):
+            hi_bit = 32 - 8 * d
+            lo_bit = 24 - 8 * d
+            h = tl.zeros([256], tl.int32)
+            for j in range(0, nt, TBLOCK):
+                m = j + idx < nt
+                v = tl.load(row + j + idx, mask=m, other=INT_MIN).to(tl.int64) - INT_MIN
+                if d == 0:
+                    top = tl.maximum(top, tl.max(v, 0))
+                h += tl.histogram(((v >> lo_bit) & 255).to(tl.int32), 256, mask=m & ((v >> hi_bit) == prefix))
+            digit, rem = pick_digit(h, rem)
+            prefix = (prefix << 8) | digit
+        ok = prefix > 0
+        lo = tl.where(ok, prefix + INT_MIN, INT_MIN).to(tl.int32)
+        span = (top - tl.where(ok, prefix, 0)).to(tl.float32)  # >= 0; its exponent: floor(log2)
+        shift = tl.maximum((span.to(tl.int32, bitcast=True) >> 23) - 127 - 7, 0)
+        cnt = 0
+        for j in range(0, nt, TBLOCK):
+            t = j + idx
+            sel = (t < nt) & (tl.load(row + t, mask=t < nt, other=INT_MIN) >= lo)
+            rank = tl.cumsum(sel.to(tl.int32), 0)
+            tl.store(tlist_ptr + r * stride_t + cnt + rank - 1, t, mask=sel)
+            cnt += tl.sum(sel.to(tl.int32), 0)
+        tl.store(guess_ptr + r * 4, lo)
+        tl.store(guess_ptr + r * 4 + 1, shift)
+        tl.store(nsel_ptr + r, cnt)
