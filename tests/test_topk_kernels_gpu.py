@@ -149,8 +149,8 @@ def test_rows_built_against_the_sample():
 
 @pytest.mark.parametrize("r,width,kernels", [
     (64, 65536, ["_finish_kernel", "_place_kernel", "_scan_kernel"]),
-    (8, 1 << 20, ["_bound_kernel", "_finish_kernel", "_place_kernel", "_scan_tiles_kernel", "_tile_max_kernel"])],
-    ids=["guess-64x64K", "tile-bound-8x1M"])
+    (16, 1 << 20, ["_bound_kernel", "_finish_kernel", "_place_kernel", "_scan_tiles_kernel", "_tile_max_kernel"])],
+    ids=["guess-64x64K", "tile-bound-16x1M"])
 def test_launches(r, width, kernels):
     """The sampled guess: scan, place, finish; the tile bound: tile maxima, bound, scan of the listed
     tiles, place, finish. No memset, nothing else."""

@@ -21,7 +21,8 @@ from .guess import INT_MIN, key_of, pick_digit
 from .regions import row_window
 
 TILE = 64  # columns a tile
-TBLOCK = 1024  # tile maxima a step of the bound kernel
+TBLOCK = 16384  # tile maxima a step of the bound kernel (a row of 1M columns in one)
+BOUND_WARPS = 16
 
 
 @triton.jit(do_not_specialize=["stride_l", "stride_t", "L", "CT"],
@@ -53,10 +54,11 @@ def _tile_max_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, tmax_ptr, st
 
 @triton.jit(do_not_specialize=["stride_t", "L"], do_not_specialize_on_alignment=["lengths_ptr", "starts_ptr"])
 def _bound_kernel(lengths_ptr, starts_ptr, tmax_ptr, stride_t, tlist_ptr, guess_ptr, nsel_ptr, L, k,
-                 HAS_STARTS: tl.constexpr, TILE: tl.constexpr, TBLOCK: tl.constexpr):
+                  HAS_STARTS: tl.constexpr, TILE: tl.constexpr, TBLOCK: tl.constexpr):
     # program (row): tau = the k-th largest tile maximum; guess[r] = (lo, shift) with lo = tau (or
     # INT_MIN when tau is INT_MIN) and 2**shift a bin width that cuts [lo, the row's top key] into
-    # < 256 bins; the tiles reaching lo, in column order, at tlist[r, :nsel[r]]
+    # < 256 bins; the tiles reaching lo, in column order, at tlist[r, :nsel[r]]. A row of up to TBLOCK
+    # tiles (1M columns) is one block: each pass reads it once, from L2.
     r = tl.program_id(0).to(tl.int64)
     _start, n = row_window(lengths_ptr, starts_ptr, r, L, HAS_STARTS)
     if n > k:
@@ -64,23 +66,23 @@ def _bound_kernel(lengths_ptr, starts_ptr, tmax_ptr, stride_t, tlist_ptr, guess_
         row = tmax_ptr + r * stride_t
         idx = tl.arange(0, TBLOCK)
         rem = k
-        prefix = tl.zeros([], tl.int64)  # the bits of tau above lo_bit, in unsigned order (key - INT_MIN)
-        top = tl.zeros([], tl.int64)
+        prefix = 0  # the digits of tau found so far, in unsigned order (key ^ INT_MIN)
+        top = INT_MIN  # the row's largest key
         for d in tl.static_range(4):
-            hi_bit = 32 - 8 * d
-            lo_bit = 24 - 8 * d
             h = tl.zeros([256], tl.int32)
             for j in range(0, nt, TBLOCK):
                 m = j + idx < nt
-                v = tl.load(row + j + idx, mask=m, other=INT_MIN).to(tl.int64) - INT_MIN
+                key = tl.load(row + j + idx, mask=m, other=INT_MIN)
+                u = key ^ INT_MIN
                 if d == 0:
-                    top = tl.maximum(top, tl.max(v, 0))
-                h += tl.histogram(((v >> lo_bit) & 255).to(tl.int32), 256, mask=m & ((v >> hi_bit) == prefix))
+                    top = tl.maximum(top, tl.max(key, 0))
+                else:
+                    m = m & (((u >> (32 - 8 * d)) & ((1 << (8 * d)) - 1)) == prefix)
+                h += tl.histogram((u >> (24 - 8 * d)) & 255, 256, mask=m)
             digit, rem = pick_digit(h, rem)
             prefix = (prefix << 8) | digit
-        ok = prefix > 0
-        lo = tl.where(ok, prefix + INT_MIN, INT_MIN).to(tl.int32)
-        span = (top - tl.where(ok, prefix, 0)).to(tl.float32)  # >= 0; its exponent: floor(log2)
+        lo = prefix ^ INT_MIN  # tau, a key
+        span = (top.to(tl.int64) - lo.to(tl.int64)).to(tl.float32)  # >= 0; its exponent: floor(log2)
         shift = tl.maximum((span.to(tl.int32, bitcast=True) >> 23) - 127 - 7, 0)
         cnt = 0
         for j in range(0, nt, TBLOCK):

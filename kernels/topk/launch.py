@@ -37,7 +37,7 @@ import triton.language as tl
 
 from dsa.kernels.common import cdiv
 
-from .bound import TBLOCK, TILE, _bound_kernel, _tile_max_kernel
+from .bound import BOUND_WARPS, TBLOCK, TILE, _bound_kernel, _tile_max_kernel
 from .guess import SEG, Z, guess_row, key_of
 from .regions import (
     HBLOCK,
@@ -61,7 +61,7 @@ PROGRAMS = 264  # scan programs per launch the row split aims at (2 per H200 SM)
 MIN_CHUNK = 4096  # columns per program at least: every program pays for the same guess
 SAMPLE = 512  # sample columns per row, read in runs of SEG (every scan program reads it: the guess)
 BOUND_TILES = 4  # logits take the tile bound when a row of their width has this many tiles per k at least
-TILE_PROGRAMS = 528  # tile-maxima programs per launch the row split aims at (4 per H200 SM)
+TILE_PROGRAMS = 1056  # tile-maxima programs per launch the row split aims at (8 per H200 SM)
 
 
 @triton.jit
@@ -145,14 +145,22 @@ def _scan_tiles_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, s
         row_l = logits_ptr + r * stride_l + start
         idx = tl.arange(0, BLOCK)
         region = cand_ptr + r * stride_c + c * CAP
+        lists = tlist_ptr + r * stride_t
+        # loads in flight ahead of the work: the tile ids two steps ahead, the columns one step ahead
+        tj = j_lo + idx // TILE
+        pos = tl.load(lists + tj, mask=tj < j_hi, other=0) * TILE + idx % TILE
+        m = (tj < j_hi) & (pos < n)
+        x = tl.load(row_l + pos, mask=m, other=0.0)
+        tile_next = tl.load(lists + tj + TPS, mask=tj + TPS < j_hi, other=0)
         cnt = 0
-        for j in range(j_lo, j_hi, TPS):
-            tj = j + idx // TILE
-            tile = tl.load(tlist_ptr + r * stride_t + tj, mask=tj < j_hi, other=0)
-            pos = tile * TILE + idx % TILE
-            m = (tj < j_hi) & (pos < n)
-            key = key_of(tl.load(row_l + pos, mask=m, other=0.0))
+        for _j in range(j_lo, j_hi, TPS):
+            tile_after = tl.load(lists + tj + 2 * TPS, mask=tj + 2 * TPS < j_hi, other=0)
+            pos_next = tile_next * TILE + idx % TILE
+            m_next = (tj + TPS < j_hi) & (pos_next < n)
+            x_next = tl.load(row_l + pos_next, mask=m_next, other=0.0)
+            key = key_of(x)
             cnt = append_candidates(region, cnt, key, pos, m & (key >= lo))
+            tj, pos, m, x, tile_next = tj + TPS, pos_next, m_next, x_next, tile_after
         tl.debug_barrier()  # the region is written before this program reads it back
         h = region_hist(region, cnt, lo, shift, HBLOCK)
         tl.store(hist_ptr + (r * C + c) * 256 + tl.arange(0, 256), h)
@@ -296,7 +304,7 @@ def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs
         _tile_max_kernel[(r, ct)](logits, logits.stride(0), lengths, starts_t, tmax, tmax.stride(0), width, k, ct,
                                  HAS_STARTS=flags["HAS_STARTS"], BLOCK=block, TILE=tile, num_warps=num_warps)
         _bound_kernel[(r,)](lengths, starts_t, tmax, tmax.stride(0), tlist, guess, nsel, width, k,
-                           HAS_STARTS=flags["HAS_STARTS"], TILE=tile, TBLOCK=TBLOCK, num_warps=num_warps)
+                           HAS_STARTS=flags["HAS_STARTS"], TILE=tile, TBLOCK=TBLOCK, num_warps=BOUND_WARPS)
         _scan_tiles_kernel[(r, chunks)](
             logits, logits.stride(0), lengths, starts_t, out, out.stride(0), cand, cand.stride(0), cnt, hist, guess,
             tlist, tlist.stride(0), nsel, *table, width, k, chunks, cap, **flags, BLOCK=block, TILE=tile,
