@@ -8,16 +8,16 @@ lies in a tile whose maximum is ``>= tau``. The tightest such ``tau`` is the k-t
 maximum: at 1M columns and k = 2048 it leaves ~2K of 16K tiles and ~2.2K candidate columns, where
 the sampled guess of :mod:`.guess` leaves ~16K candidates among all 1M columns.
 
-``tile_max`` (program per row chunk) writes each tile's maximum key, over the row's window only
-(``INT_MIN`` past it); ``bound`` (program per row) finds the k-th largest of them 8 bits at a time
-and lists the tiles reaching it in column order. A row whose k-th largest tile maximum is
+``_tile_max_kernel`` (program per row chunk) writes each tile's maximum key, over the row's window
+only (``INT_MIN`` past it); ``_bound_kernel`` (program per row) finds the k-th largest of them one
+bit at a time and lists the tiles reaching it in column order. A row whose k-th largest tile maximum is
 ``INT_MIN`` (fewer than k tiles hold anything but the lowest NaN) lists every tile with
 ``lo = INT_MIN``: every column is a candidate, as exact and slower.
 """
 import triton
 import triton.language as tl
 
-from .guess import INT_MIN, key_of, pick_digit
+from .guess import INT_MIN, key_of
 from .regions import row_window
 
 TILE = 64  # columns a tile
@@ -55,33 +55,30 @@ def _tile_max_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, tmax_ptr, st
 @triton.jit(do_not_specialize=["stride_t", "L"], do_not_specialize_on_alignment=["lengths_ptr", "starts_ptr"])
 def _bound_kernel(lengths_ptr, starts_ptr, tmax_ptr, stride_t, tlist_ptr, guess_ptr, nsel_ptr, L, k,
                   HAS_STARTS: tl.constexpr, TILE: tl.constexpr, TBLOCK: tl.constexpr):
-    # program (row): tau = the k-th largest tile maximum; guess[r] = (lo, shift) with lo = tau (or
-    # INT_MIN when tau is INT_MIN) and 2**shift a bin width that cuts [lo, the row's top key] into
-    # < 256 bins; the tiles reaching lo, in column order, at tlist[r, :nsel[r]]. A row of up to TBLOCK
-    # tiles (1M columns) is one block: each pass reads it once, from L2.
+    # program (row): tau = the k-th largest tile maximum, found bit by bit from the top as the largest
+    # key that at least k tiles reach (a count, not a histogram: the tile maxima share their top bits,
+    # and a histogram's atomics on one bin serialize); guess[r] = (lo, shift) with lo = tau and 2**shift
+    # a bin width that cuts [lo, the row's top key] into < 256 bins; the tiles reaching lo, in column
+    # order, at tlist[r, :nsel[r]]. A row of up to TBLOCK tiles (1M columns) is one block, read once.
     r = tl.program_id(0).to(tl.int64)
     _start, n = row_window(lengths_ptr, starts_ptr, r, L, HAS_STARTS)
     if n > k:
         nt = tl.cdiv(n, TILE)
         row = tmax_ptr + r * stride_t
         idx = tl.arange(0, TBLOCK)
-        rem = k
-        prefix = 0  # the digits of tau found so far, in unsigned order (key ^ INT_MIN)
-        top = INT_MIN  # the row's largest key
-        for d in tl.static_range(4):
-            h = tl.zeros([256], tl.int32)
-            for j in range(0, nt, TBLOCK):
-                m = j + idx < nt
-                key = tl.load(row + j + idx, mask=m, other=INT_MIN)
-                u = key ^ INT_MIN
-                if d == 0:
-                    top = tl.maximum(top, tl.max(key, 0))
-                else:
-                    m = m & (((u >> (32 - 8 * d)) & ((1 << (8 * d)) - 1)) == prefix)
-                h += tl.histogram((u >> (24 - 8 * d)) & 255, 256, mask=m)
-            digit, rem = pick_digit(h, rem)
-            prefix = (prefix << 8) | digit
-        lo = prefix ^ INT_MIN  # tau, a key
+        key = tl.load(row + idx, mask=idx < nt, other=INT_MIN)  # the first block, kept for every bit
+        top = tl.max(key, 0)
+        for j in range(TBLOCK, nt, TBLOCK):
+            top = tl.maximum(top, tl.max(tl.load(row + j + idx, mask=j + idx < nt, other=INT_MIN), 0))
+        prefix = tl.zeros([], tl.int32)  # tau's bits found so far, in unsigned order (key ^ INT_MIN)
+        for b in tl.static_range(31, -1, -1):
+            bit = INT_MIN if b == 31 else 1 << b
+            cand = (prefix | bit) ^ INT_MIN  # a key: the prefix with bit b set
+            count = tl.sum((key >= cand).to(tl.int32), 0)  # masked entries (INT_MIN) lie below every cand
+            for j in range(TBLOCK, nt, TBLOCK):
+                count += tl.sum((tl.load(row + j + idx, mask=j + idx < nt, other=INT_MIN) >= cand).to(tl.int32), 0)
+            prefix = tl.where(count >= k, prefix | bit, prefix)
+        lo = prefix ^ INT_MIN  # tau; INT_MIN when fewer than k tiles reach anything higher: every tile listed
         span = (top.to(tl.int64) - lo.to(tl.int64)).to(tl.float32)  # >= 0; its exponent: floor(log2)
         shift = tl.maximum((span.to(tl.int32, bitcast=True) >> 23) - 127 - 7, 0)
         cnt = 0
