@@ -263,16 +263,20 @@ def test_warm_topk_slots_launches_each_tile_once():
 
 
 def test_warm_topk_slots_compiles_the_tile_bound_when_rows_reach_it(monkeypatch):
-    """Widths that take the tile bound add its two variants (with and without starts) to the warm-up."""
+    """Shapes that take the tile bound add its two variants (with and without starts) to the warm-up;
+    a server whose steps never reach BOUND_ROWS rows adds none."""
     from dsa.kernels.topk import finish_tile_shapes, ops, warm_topk_slots
     seen = []
     monkeypatch.setattr(ops, "topk_slots", lambda logits, *a: seen.append((tuple(logits.shape), a[-1] is not None)))
+    from dsa.kernels.topk.launch import BOUND_ROWS
     k, width = 4, 4 * 4 * 64
-    assert warm_topk_slots(k, width, 2, 16, "cpu") == len(finish_tile_shapes(k, width, 2)) + 2
-    assert seen[-2:] == [((1, width), False), ((1, width), True)]
+    assert warm_topk_slots(k, width, 40, 16, "cpu") == len(finish_tile_shapes(k, width, 40)) + 2
+    assert seen[-2:] == [((BOUND_ROWS, width), False), ((BOUND_ROWS, width), True)]
+    seen.clear()
+    assert warm_topk_slots(k, width, BOUND_ROWS - 1, 16, "cpu") == len(finish_tile_shapes(k, width, BOUND_ROWS - 1))
 
 
-BOUNDED = dict(SMALL, bound_tiles=1, tile=8, tile_programs=40)  # rows of >= k tiles of 8 take the tile bound
+BOUNDED = dict(SMALL, bound_tiles=1, bound_rows=1, tile=8, tile_programs=40)  # rows of >= k tiles of 8: the bound
 
 
 def _tile_bound(row, n, k, tile):
@@ -343,9 +347,10 @@ def test_tile_bound_falls_back_to_every_tile_when_the_tiles_hold_only_the_lowest
     assert scratch["listed"].tolist() == [-(-width // 8), -(-(width - 3) // 8)]
 
 
-@pytest.mark.parametrize("width,k,expect", [(2048, 2048, False), (4 * 2048 * 64 - 1, 2048, False),
-                                            (4 * 2048 * 64, 2048, True), (1 << 20, 2048, True), (1 << 20, 1 << 20, False)],
-                         ids=["dense", "below", "at", "1M", "k-wide"])
-def test_bounded_routes_by_width(width, k, expect):
+@pytest.mark.parametrize("rows,width,k,expect", [
+    (64, 2048, 2048, False), (64, 4 * 2048 * 64 - 1, 2048, False), (64, 4 * 2048 * 64, 2048, True),
+    (64, 1 << 20, 2048, True), (64, 1 << 20, 1 << 20, False), (31, 1 << 20, 2048, False), (32, 1 << 20, 2048, True)],
+    ids=["dense", "below", "at", "1M", "k-wide", "decode-rows", "32-rows"])
+def test_bounded_routes_by_width_and_rows(rows, width, k, expect):
     from dsa.kernels.topk.launch import bounded
-    assert bounded(width, k) is expect
+    assert bounded(rows, width, k) is expect

@@ -5,7 +5,7 @@ any bounded candidate buffer, 10-bit values, NaN/inf inside and past the length,
 built against the kernel's sample), lengths 0, 1, k-1, k, k+1 and starts != 0, compared with the
 reference tie-aware; ``topk_slots`` equal to ``positions_to_slots`` of the same selection; 20 runs
 bitwise equal; CUDA-graph capture and replay; three Triton launches (scan, place, finish) and no memset per call,
-five on the tile bound of rows of 512K columns and more (tile maxima, bound, scan of the listed tiles, place,
+five on the tile bound of 32 rows and more of 512K columns and more (tile maxima, bound, scan of the listed tiles, place,
 finish), whose selections equal the sampled guess's.
 """
 import pytest
@@ -149,8 +149,8 @@ def test_rows_built_against_the_sample():
 
 @pytest.mark.parametrize("r,width,kernels", [
     (64, 65536, ["_finish_kernel", "_place_kernel", "_scan_kernel"]),
-    (16, 1 << 20, ["_bound_kernel", "_finish_kernel", "_place_kernel", "_scan_tiles_kernel", "_tile_max_kernel"])],
-    ids=["guess-64x64K", "tile-bound-16x1M"])
+    (32, 1 << 20, ["_bound_kernel", "_finish_kernel", "_place_kernel", "_scan_tiles_kernel", "_tile_max_kernel"])],
+    ids=["guess-64x64K", "tile-bound-32x1M"])
 def test_launches(r, width, kernels):
     """The sampled guess: scan, place, finish; the tile bound: tile maxima, bound, scan of the listed
     tiles, place, finish. No memset, nothing else."""

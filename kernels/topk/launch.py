@@ -61,6 +61,7 @@ PROGRAMS = 264  # scan programs per launch the row split aims at (2 per H200 SM)
 MIN_CHUNK = 4096  # columns per program at least: every program pays for the same guess
 SAMPLE = 512  # sample columns per row, read in runs of SEG (every scan program reads it: the guess)
 BOUND_TILES = 4  # logits take the tile bound when a row of their width has this many tiles per k at least
+BOUND_ROWS = 32  # and they have this many rows at least
 TILE_PROGRAMS = 1056  # tile-maxima programs per launch the row split aims at (8 per H200 SM)
 
 
@@ -239,20 +240,23 @@ def _finish_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, strid
                    LBLOCK)
 
 
-def bounded(width: int, k: int, bound_tiles: int = BOUND_TILES, tile: int = TILE) -> bool:
-    """Whether logits ``width`` columns wide take the tile bound (``bound.py``): a row that wide has at
-    least ``bound_tiles * k`` tiles."""
-    return width > k and width >= bound_tiles * k * tile
+def bounded(rows: int, width: int, k: int, bound_tiles: int = BOUND_TILES, tile: int = TILE,
+            bound_rows: int = BOUND_ROWS) -> bool:
+    """Whether ``[rows, width]`` logits take the tile bound (``bound.py``): a row that wide has at least
+    ``bound_tiles * k`` tiles, and there are ``bound_rows`` rows at least (the bound kernel is a program
+    per row, ~60 us at 1M columns: a decode step of one row at 1M is faster on the sampled guess, whose
+    scan splits the row 256 ways)."""
+    return width > k and width >= bound_tiles * k * tile and rows >= bound_rows
 
 
 def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs=PROGRAMS, min_chunk=MIN_CHUNK,
-                sample=SAMPLE, num_warps=NUM_WARPS, bound_tiles=BOUND_TILES, tile=TILE, tile_programs=TILE_PROGRAMS,
-                out=None, scratch=None):
+                sample=SAMPLE, num_warps=NUM_WARPS, bound_tiles=BOUND_TILES, bound_rows=BOUND_ROWS, tile=TILE,
+                tile_programs=TILE_PROGRAMS, out=None, scratch=None):
     """Three launches, five for logits wide enough for the tile bound (:func:`bounded`: the tile maxima
     and the bound replace the guess, and the scan reads only the listed tiles). ``slots``:
     ``(block_table, row_to_req, seq_lens, block_size)`` to write slots;
-    ``block``/``programs``/``min_chunk``/``sample``/``num_warps``/``bound_tiles``/``tile``/
-    ``tile_programs``/``out`` for tests and tuning; ``scratch``: a dict that receives the region
+    ``block``/``programs``/``min_chunk``/``sample``/``num_warps``/``bound_tiles``/``bound_rows``/
+    ``tile``/``tile_programs``/``out`` for tests and tuning; ``scratch``: a dict that receives the region
     histograms ``[R, C, 256]``, the region counts ``[R, C]`` (after the place kernel: the counts of
     their bin-b fronts), the finish tile's ``(CB, W)`` and, on the tile bound, the guess records
     ``[R, 4]`` and the listed tiles per row ``[R]`` (tests)."""
@@ -265,7 +269,7 @@ def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs
     lengths = lengths.contiguous()
     starts_t = lengths if starts is None else starts.contiguous()
     chunks = max(1, min(triton.cdiv(width, min_chunk), triton.cdiv(programs, r))) if width > k else 1
-    bound = bounded(width, k, bound_tiles, tile)
+    bound = bounded(r, width, k, bound_tiles, tile, bound_rows)
     tiles = triton.cdiv(width, tile)
     if bound:  # a region holds its program's share of the listed tiles, whole steps of block // tile
         cap = triton.cdiv(triton.cdiv(tiles, chunks), block // tile) * block

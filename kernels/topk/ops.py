@@ -5,7 +5,7 @@ import triton
 
 from dsa.kernels.common import check_block_size, check_int, check_same_device, check_tensor, resolve_backend
 
-from .launch import bounded, finish_tile_shapes, topk_triton
+from .launch import BOUND_ROWS, bounded, finish_tile_shapes, topk_triton
 from .reference import topk_indices_reference, topk_slots_reference
 
 
@@ -80,8 +80,8 @@ def warm_topk_slots(k: int, max_width: int, max_rows: int, block_size: int, devi
     (:func:`~.launch.bounded`), once more on it with and without ``starts``, so a server never
     compiles one later. Returns the launches."""
     shapes = list(finish_tile_shapes(k, max_width, max_rows).values())
-    if bounded(max_width, k):
-        shapes += [(1, max_width, False), (1, max_width, True)]
+    if bounded(max_rows, max_width, k):
+        shapes += [(BOUND_ROWS, max_width, False), (BOUND_ROWS, max_width, True)]
     for rows, width, *with_starts in shapes:
         logits = torch.randn(rows, width, device=device)
         lengths = torch.full((rows,), width, dtype=torch.int32, device=device)
