@@ -11,9 +11,10 @@ So a row's selection is a function of that row's valid window alone: it does not
 far the row is padded, with the other rows of the batch, or with the device.
 
 Modules: ``ops`` (the checked ops and the warm-up), ``reference`` (the torch reference),
-``launch`` (the scheme, its three kernels and their launcher) and the kernels' device functions:
-``guess`` (keys and the guess from a sample), ``regions`` (rows, candidate regions and their
-bins), ``select`` (the exact selection from a list).
+``launch`` (the scheme, its kernels and their launcher), ``bound`` (the tile bound of wide rows:
+their tile maxima and the k-th largest of them) and the kernels' device functions: ``guess`` (keys
+and the guess from a sample), ``regions`` (rows, candidate regions and their bins), ``select`` (the
+exact selection from a list).
 """
 from .launch import finish_tile_shapes
 from .ops import topk_indices, topk_slots, warm_topk_slots

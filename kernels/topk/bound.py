@@ -14,6 +14,7 @@ bit at a time and lists the tiles reaching it in column order. A row whose k-th 
 ``INT_MIN`` (fewer than k tiles hold anything but the lowest NaN) lists every tile with
 ``lo = INT_MIN``: every column is a candidate, as exact and slower.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -91,3 +92,22 @@ def _bound_kernel(lengths_ptr, starts_ptr, tmax_ptr, stride_t, tlist_ptr, guess_
         tl.store(guess_ptr + r * 4, lo)
         tl.store(guess_ptr + r * 4 + 1, shift)
         tl.store(nsel_ptr + r, cnt)
+
+
+def tile_bound(logits, lengths, starts, has_starts, k, guess, *, tile=TILE, programs=1056, block=1024, num_warps=4):
+    """The tile bound of each row of ``logits [R, L]`` with ``n > k`` (arguments as checked by the
+    top-k ops; ``starts`` a tensor even when ``has_starts`` is False): writes ``guess[r, 0:2] = (lo,
+    shift)`` and returns ``(tlist [R, cdiv(L, tile)], nsel [R])``, the listed tiles of each row in
+    column order and their count. ``programs``: tile-maxima programs the row split aims at."""
+    r, width = logits.shape
+    tiles = triton.cdiv(width, tile)
+    i32 = dict(dtype=torch.int32, device=logits.device)
+    tmax = torch.empty((r, tiles), **i32)  # every tile of a row with n > k written
+    tlist = torch.empty((r, tiles), **i32)
+    nsel = torch.empty((r,), **i32)
+    ct = max(1, triton.cdiv(programs, r))
+    _tile_max_kernel[(r, ct)](logits, logits.stride(0), lengths, starts, tmax, tmax.stride(0), width, k, ct,
+                              HAS_STARTS=has_starts, BLOCK=block, TILE=tile, num_warps=num_warps)
+    _bound_kernel[(r,)](lengths, starts, tmax, tmax.stride(0), tlist, guess, nsel, width, k, HAS_STARTS=has_starts,
+                        TILE=tile, TBLOCK=TBLOCK, num_warps=BOUND_WARPS)
+    return tlist, nsel

@@ -1,4 +1,4 @@
-"""The Triton top-k: guess, verify, refine in three launches, no memset, no atomics.
+"""The Triton top-k: guess, verify, refine in three launches (five with the tile bound), no memset, no atomics.
 
 Keys: :func:`~.guess.key_of` of the fp32 bits, an int32 whose signed order is
 :func:`~.reference.order_key`'s (NaN by its bits). A row of ``n > k`` columns is cut into C chunks:
@@ -21,6 +21,12 @@ Keys: :func:`~.guess.key_of` of the fp32 bits, an int32 whose signed order is
           guess: data built against the sample), it lists the whole row and selects from it the
           same way: slower, equally exact.
 
+Wide logits (:func:`bounded`: 32 rows and more, rows of at least 4k tiles of 64 columns: 512K at k = 2048)
+replace the guess by the tile bound of :mod:`.bound`, two launches before the scan: ``lo`` is the k-th
+largest tile maximum (at least k columns reach it, and every column of the best k lies in a tile whose
+maximum reaches it), and the scan reads only the tiles listed as reaching ``lo``, ~2K of 16K at 1M
+columns, instead of the whole row; place and finish are the same.
+
 Ties at the k-th value go to the first entries of the list, which is in column order; every
 offset comes from counts summed in a fixed order, so the output is deterministic. The scan reads
 each column once and does a compare and a prefix sum; histograms (``tl.histogram`` lowers to
@@ -37,7 +43,7 @@ import triton.language as tl
 
 from dsa.kernels.common import cdiv
 
-from .bound import BOUND_WARPS, TBLOCK, TILE, _bound_kernel, _tile_max_kernel
+from .bound import TILE, tile_bound
 from .guess import SEG, Z, guess_row, key_of
 from .regions import (
     HBLOCK,
@@ -299,16 +305,10 @@ def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs
     # are not specialized on their alignment.
     flags = dict(HAS_STARTS=starts is not None, SLOTS=slots is not None)
     if bound:
-        tmax = torch.empty((r, tiles), **i32)  # every tile of a row with n > k written
-        tlist = torch.empty((r, tiles), **i32)
-        nsel = torch.empty((r,), **i32)
+        tlist, nsel = tile_bound(logits, lengths, starts_t, starts is not None, k, guess, tile=tile,
+                                 programs=tile_programs, block=block, num_warps=num_warps)
         if scratch is not None:
             scratch.update(guess=guess, listed=nsel)
-        ct = max(1, triton.cdiv(tile_programs, r))
-        _tile_max_kernel[(r, ct)](logits, logits.stride(0), lengths, starts_t, tmax, tmax.stride(0), width, k, ct,
-                                 HAS_STARTS=flags["HAS_STARTS"], BLOCK=block, TILE=tile, num_warps=num_warps)
-        _bound_kernel[(r,)](lengths, starts_t, tmax, tmax.stride(0), tlist, guess, nsel, width, k,
-                           HAS_STARTS=flags["HAS_STARTS"], TILE=tile, TBLOCK=TBLOCK, num_warps=BOUND_WARPS)
         _scan_tiles_kernel[(r, chunks)](
             logits, logits.stride(0), lengths, starts_t, out, out.stride(0), cand, cand.stride(0), cnt, hist, guess,
             tlist, tlist.stride(0), nsel, *table, width, k, chunks, cap, **flags, BLOCK=block, TILE=tile,
