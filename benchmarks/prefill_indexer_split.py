@@ -15,17 +15,20 @@ from torch.profiler import ProfilerActivity, profile
 
 from dsa.bench.harness import Timer, measure_ceilings
 from dsa.bench.indexer import DI, HI, K, P, ragged_inputs
-from dsa.kernels import topk_slots
+from dsa.kernels import indexer_logits_ragged, indexer_logits_ragged_hopper as hopper, topk_slots
 from dsa.kernels.indexer_logits_ragged import _indexer_logits_ragged_triton
 from dsa.kernels.topk.launch import topk_triton
 from dsa.report import env_info
+from dsa.testing import calc_diff
 
 CHUNKS = (1 << 26, 1 << 28)  # rows x keys per call: the model's RAGGED_CHUNK_ELEMS, and 4x it
 # the tile bound (kernels/topk/bound.py) off (the sampled guess at every width) and on at narrower rows; its
 # tile width and tile-maxima programs; the guess's sample and programs
 TOPK_KNOBS = [dict(bound_tiles=1 << 30), dict(bound_tiles=1), dict(bound_tiles=2), dict(tile=32), dict(tile=128),
               dict(tile_programs=264), dict(tile_programs=1056), dict(sample=2048), dict(programs=1056)]
-LOGITS_KNOBS = [dict(waves=1), dict(waves=3), dict(waves=4)]
+# the portable kernel (where the Gluon one is the default), and the Gluon kernel's key buffers
+LOGITS_KNOBS = [dict(hopper_kernel=False), dict(hopper_kernel=True, stages=2), dict(hopper_kernel=True, stages=3),
+                dict(hopper_kernel=True, stages=6), dict(waves=4)]
 
 
 def kernel_split(fn, calls: int = 5) -> dict:
@@ -46,7 +49,7 @@ def split_at(dev, timer, ceilings, s: int, elems: int, rows: int, knobs: bool, s
     q8, w, k8, k_scale, starts, ends = ragged_inputs(r, s, dev)
     table = torch.arange(s // P, dtype=torch.int32, device=dev)[None]
     seq = torch.tensor([s], dtype=torch.int32, device=dev)
-    logits_fn = lambda: _indexer_logits_ragged_triton(q8, w, k8, k_scale, starts, ends)  # noqa: E731
+    logits_fn = lambda: indexer_logits_ragged(q8, w, k8, k_scale, starts, ends)  # noqa: E731  (the model's kernel)
     logits = logits_fn()
     topk_fn = lambda: topk_slots(logits, ends, K, table, starts, seq, P, backend="triton")  # noqa: E731
     pair_fn = lambda: topk_slots(logits_fn(), ends, K, table, starts, seq, P, backend="triton")  # noqa: E731
@@ -54,7 +57,8 @@ def split_at(dev, timer, ceilings, s: int, elems: int, rows: int, knobs: bool, s
     flops = 2 * HI * DI * int(ends.sum()) * scale
     t = {name: timer(fn, graph=True)["median_us"] for name, fn in
          (("logits", logits_fn), ("topk", topk_fn), ("pair", pair_fn))}
-    row = dict(S=s, chunk_elems=elems, rows_per_call=r, calls=rows // r, rows=rows,
+    row = dict(S=s, chunk_elems=elems, logits_impl="hopper" if hopper.use_hopper("auto", dev, HI, DI, (q8, k8))
+               else "triton", rows_per_call=r, calls=rows // r, rows=rows,
                **{f"{k}_us_per_call": round(v, 2) for k, v in t.items()},
                **{f"{k}_ms_per_{rows}_rows": round(v * scale / 1e3, 3) for k, v in t.items()},
                pair_tflops=round(flops / (t["pair"] * scale * 1e-6) / 1e12, 1),
@@ -76,14 +80,20 @@ def split_at(dev, timer, ceilings, s: int, elems: int, rows: int, knobs: bool, s
         for kw in LOGITS_KNOBS:
             fn = lambda: _indexer_logits_ragged_triton(q8, w, k8, k_scale, starts, ends, **kw)  # noqa: E731
             try:
-                ok = torch.equal(fn(), logits)
+                out = fn()
+                finite = torch.isfinite(logits)
+                ok, diff = torch.equal(out, logits), calc_diff(out[finite], logits[finite])
+                same_inf = torch.equal(torch.isfinite(out), finite)
+                del out
             except Exception as e:  # a tile that does not fit (out of shared memory or registers)
                 row["logits_knobs"].append(dict(knobs=kw, error=f"{type(e).__name__}: {str(e)[:200]}"))
                 print(f"  logits {kw}: {type(e).__name__}", flush=True)
                 continue
             us = timer(fn, graph=True)["median_us"]
-            row["logits_knobs"].append(dict(knobs=kw, us_per_call=round(us, 2), bitwise_default=ok))
-            print(f"  logits {kw}: {us:.1f} us (default {t['logits']:.1f}), bitwise: {ok}", flush=True)
+            row["logits_knobs"].append(dict(knobs=kw, us_per_call=round(us, 2), bitwise_default=ok, calc_diff=diff,
+                                            same_inf_mask=same_inf))
+            print(f"  logits {kw}: {us:.1f} us (default {t['logits']:.1f}), bitwise: {ok}, diff {diff:.2e}, "
+                  f"masks equal: {same_inf}", flush=True)
     return row
 
 

@@ -17,8 +17,9 @@
 #   P: benchmarks/profile_spec_step.py (issue #39): torch.profiler over a warm B = 1 pass, plain and
 #      speculating, the trained default into $OUT/profile-default, demo-gpu (test drafter, p = 0.7) into
 #      $OUT/profile-demo-gpu, ~4 min
-#   x: benchmarks/prefill_indexer_split.py (issue #38): one chunked ragged-logits call at 64K, 256K, 512K and 1M keys
+#   x: benchmarks/prefill_indexer_split.py (issue #38): one chunked ragged-logits call at 64K, 256K, 512K and 1M keys ($SPLIT_LENGTHS)
 #      split into the logits and the top-k's kernels, and their knobs, into $OUT/prefill-indexer-split.json, ~4 min
+#   r: the ragged-logits GPU tests (the Gluon kernel beside the portable one, up to 1M keys), ~1 min
 # Each part is bounded by a timeout; bench output is appended to $OUT/bench.log.
 # Default parts: tpld. Install with `python -m pip` (a bare `pip` there belongs to another Python).
 set -uo pipefail
@@ -42,6 +43,8 @@ spec() {  # name [bench engine flags]
 }
 [[ $PARTS == *t* ]] && { timeout 300 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -80 > "$OUT/gpu-tests.log"
                          tail -30 "$OUT/gpu-tests.log"; }
+[[ $PARTS == *r* ]] && timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_kernels_gpu.py \
+  -k ragged -rs 2>&1 | tail -30 | tee "$OUT/gpu-tests-ragged.log"
 [[ $PARTS == *p* ]] && bench prefix 70
 [[ $PARTS == *l* ]] && bench layer 90
 [[ $PARTS == *e* ]] && bench engine 110
@@ -57,7 +60,8 @@ spec() {  # name [bench engine flags]
                            --new 64 --out "$OUT/profile-demo-gpu" 2>&1 | grep -v "^USDT" | tail -60; }
 [[ $PARTS == *g* ]] && timeout 560 python -m dsa bench long --lengths 131072,262144,524288,1048576 --out "$OUT" \
   --git-sha "$SHA" 2>&1 | tee -a "$OUT/bench-long.log" | grep -v "^long_prefill"
-[[ $PARTS == *x* ]] && timeout 300 python benchmarks/prefill_indexer_split.py --out "$OUT/prefill-indexer-split.json" \
+[[ $PARTS == *x* ]] && timeout 300 python benchmarks/prefill_indexer_split.py --lengths "${SPLIT_LENGTHS:-65536,262144,524288,1048576}" \
+  --out "$OUT/prefill-indexer-split.json" \
   2>&1 | tee -a "$OUT/bench.log" | tail -40
 [[ $PARTS == *c* ]] && for mbt in 4096 8192 16384 32768; do
   timeout 150 python -m dsa bench long --lengths 524288 --dense-up-to 1 --max-batch-tokens $mbt \

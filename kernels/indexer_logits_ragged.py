@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import deepgemm
+from . import deepgemm, indexer_logits_ragged_hopper as hopper
 from .common import check_same_device, check_tensor, compute_dtype, resolve_backend, sm_count
 
 
@@ -100,11 +100,13 @@ def ragged_grid(t: int, s: int, block_t: int, block_s: int, slots: int) -> tuple
 
 
 def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, *, block_s=64, block_t=None, num_warps=4,
-                                  stages=3, tma=False, waves=2):
+                                  stages=None, tma=False, waves=2, hopper_kernel=False):
     """The launch. Tuning knobs (private; ``dsa bench indexer --variants`` sweeps them): ``block_s``
     keys and ``block_t`` query tokens a tile (None: ``256 / HI_PAD``, the dot's N dim 256), warps,
-    pipeline ``stages``, ``tma`` (TMA loads of the keys and scales), ``waves`` (programs per SM to
-    aim for)."""
+    pipeline ``stages`` (None: 3), ``tma`` (TMA loads of the keys and scales), ``waves`` (programs per SM to
+    aim for). ``hopper_kernel``: the Gluon kernel of ``indexer_logits_ragged_hopper`` instead, one
+    program a SM (``stages`` its key buffers, None: ``hopper.STAGES``; the other knobs are the
+    portable kernel's)."""
     t, hi, di = q8.shape
     s = k8.shape[0]
     logits = torch.empty((t, s), dtype=torch.float32, device=q8.device)
@@ -112,6 +114,11 @@ def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, *, blo
         return logits
     q8, weights, k8, k_scale = q8.contiguous(), weights.contiguous(), k8.contiguous(), k_scale.contiguous()
     starts, ends = starts.contiguous(), ends.contiguous()
+    if hopper_kernel:
+        grid, tiles_per_prog = ragged_grid(t, s, hopper.DOT_N // hi, hopper.BLOCK_S, sm_count(q8.device))
+        return hopper.indexer_logits_ragged_hopper(q8, weights, k8, k_scale, starts, ends, logits, grid, tiles_per_prog,
+                                                   stages=stages or hopper.STAGES)
+    stages = stages or 3
     # the dot's N dim BLOCK_T * HI_PAD = 256 (one wgmma; q reuse halves L2 reads per FLOP), 64 keys a
     # tile, one warpgroup: at the model's calls (2**26 logits a call: 1024 x 64K, 256 x 256K, 64 x 1M) 4 warps
     # took 1148 / 1141 / 1145 us a call against 8 warps' 1200 / 1211 / 1216 on the H200, the same logits bit
@@ -154,6 +161,11 @@ def indexer_logits_ragged(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Ten
     ``256 / HI`` tokens and ``S`` by 64 keys, scores each tile with one FP8 ``tl.dot`` and skips
     tiles outside every row's range. Logits match the reference to fp32 summation order.
 
+    ``backend="auto"`` runs the Gluon kernel of ``indexer_logits_ragged_hopper`` on sm_90 where it
+    can (``HI`` a power of two in 16..128, ``DI = 128``): the FP8 dot of one warpgroup overlapped
+    with the epilogue of another, the same logits to fp32 rounding (another head-sum order);
+    ``"hopper"`` asks for it (ValueError where it cannot run), ``"triton"`` keeps the portable kernel.
+
     ``backend="deepgemm"`` (only when asked, never by ``"auto"``; ``kernels/deepgemm.py`` gives its
     Hopper limits) runs DeepGEMM's ``fp8_mqa_logits`` with the same contract and another summation
     order.
@@ -179,10 +191,12 @@ def indexer_logits_ragged(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Ten
         if exact:
             raise TypeError("indexer_logits_ragged: backend='deepgemm' takes FP8 queries and keys")
         return deepgemm.logits_ragged(q8, weights, k8, k_scale, starts, ends)
-    impl = resolve_backend(backend, device, "indexer_logits_ragged", triton_dtypes_ok=not exact)
+    use_hopper = not exact and hopper.use_hopper(backend, device, hi, di, (q8, k8))  # raises if "hopper" cannot run
+    impl = resolve_backend("triton" if backend == "hopper" else backend, device, "indexer_logits_ragged",
+                           triton_dtypes_ok=not exact)
     if impl == "torch":
         return indexer_logits_ragged_reference(q8, weights, k8, k_scale, starts, ends)
     if not 1 <= hi <= 128 or di not in (32, 64, 128, 256):
         raise ValueError(f"q8: the Triton kernel takes 1 <= HI <= 128 and DI in 32, 64, 128, 256; got shape "
                          f"{list(q8.shape)}")
-    return _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends)
+    return _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, hopper_kernel=use_hopper)

@@ -3,12 +3,14 @@
 Key write and query prep: bytes equal the reference, one kernel launch each. Paged logits:
 ``B=64``, ``N`` in 1..3, ``HI`` in {32, 64}, ``S`` up to 128K over random non-contiguous block
 tables; 20 runs bitwise equal; NaN-poisoned rows a request does not own change nothing; a cache
-over 4 GiB; capture and replay in a CUDA graph with ``max_seq_len``. Ragged logits: a causal chunk.
+over 4 GiB; capture and replay in a CUDA graph with ``max_seq_len``. Ragged logits: a causal chunk
+(portable and Hopper kernels), and the Hopper kernel against the portable one up to 1M keys.
 """
 import pytest
 import torch
 
 from dsa import kernels as K
+from dsa.kernels import indexer_logits_ragged_hopper as hopper_ragged
 from dsa.kernels.layouts import indexer_cache_views
 from dsa.testing import random_block_tables
 from kernel_utils import owned_slots, poison_unowned_indexer_rows
@@ -135,17 +137,51 @@ def test_cache_over_4gib():
                         K.indexer_logits_paged(q8, w, cache, table, seq_lens, P, backend="torch"))
 
 
-@pytest.mark.parametrize("hi", [32, 64], ids=lambda h: f"HI{h}")
-def test_ragged_logits_causal_chunk(hi):
-    t, s = 600, 6000
-    gen = torch.Generator(device="cuda").manual_seed(hi)
+def _ragged_inputs(t, s, hi, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     q8 = torch.randn(t, hi, DI, device="cuda", generator=gen).to(torch.float8_e4m3fn)
     w = torch.randn(t, hi, device="cuda", generator=gen)
     k8 = torch.randn(s, DI, device="cuda", generator=gen).to(torch.float8_e4m3fn)
     k_scale = torch.rand(s, device="cuda", generator=gen) + 0.5
+    return q8, w, k8, k_scale, gen
+
+
+RAGGED_BACKENDS = ["triton", "hopper"] if torch.cuda.is_available() and \
+    hopper_ragged.unsupported_reason(torch.device("cuda"), 64, DI) is None else ["triton"]
+
+
+@pytest.mark.parametrize("backend", RAGGED_BACKENDS)
+@pytest.mark.parametrize("hi", [32, 64], ids=lambda h: f"HI{h}")
+def test_ragged_logits_causal_chunk(hi, backend):
+    """600 rows (a partial last row tile) against 6,000 keys (a partial last key tile), each row's
+    range a causal tail from a random start; 20 runs bitwise equal."""
+    t, s = 600, 6000
+    q8, w, k8, k_scale, gen = _ragged_inputs(t, s, hi, hi)
     ends = torch.arange(s - t + 1, s + 1, dtype=torch.int32, device="cuda")
     starts = torch.randint(0, 100, (t,), dtype=torch.int32, device="cuda", generator=gen)
-    out = K.indexer_logits_ragged(q8, w, k8, k_scale, starts, ends)
+    out = K.indexer_logits_ragged(q8, w, k8, k_scale, starts, ends, backend=backend)
     assert_logits_match(out, K.indexer_logits_ragged(q8, w, k8, k_scale, starts, ends, backend="torch"))
     for _ in range(20):
-        assert torch.equal(out, K.indexer_logits_ragged(q8, w, k8, k_scale, starts, ends))
+        assert torch.equal(out, K.indexer_logits_ragged(q8, w, k8, k_scale, starts, ends, backend=backend))
+
+
+@pytest.mark.skipif(len(RAGGED_BACKENDS) < 2, reason="the Hopper ragged kernel cannot run on this GPU or Triton")
+@pytest.mark.parametrize("t,s", [(64, 1 << 20), (1, 131073), (9, 70), (4, 64)],
+                         ids=["64x1M", "1x128K+1", "9x70", "4x64"])
+def test_ragged_hopper_equals_the_portable_kernel_to_rounding(t, s):
+    """The Gluon kernel against the portable one: the same -inf masks (empty rows, ranges that skip
+    whole tiles at both ends, a row past S), logits to fp32 rounding; each row's logits are the same
+    bits when computed alone (they depend on that row alone)."""
+    q8, w, k8, k_scale, gen = _ragged_inputs(t, s, 64, t + s)
+    ends = torch.randint(1, s + 1, (t,), dtype=torch.int32, device="cuda", generator=gen)
+    starts = (ends * torch.rand(t, device="cuda", generator=gen)).to(torch.int32)
+    starts[0], ends[0] = s // 3, s // 3  # an empty row
+    if t > 2:
+        starts[1], ends[1] = s - 1, s + 5  # a range past S
+        starts[2], ends[2] = 0, s
+    out = K.indexer_logits_ragged(q8, w, k8, k_scale, starts, ends, backend="hopper")
+    assert_logits_match(out, K.indexer_logits_ragged(q8, w, k8, k_scale, starts, ends, backend="triton"))
+    for r in sorted({0, t // 2, t - 1}):
+        alone = K.indexer_logits_ragged(q8[r:r + 1], w[r:r + 1], k8, k_scale, starts[r:r + 1], ends[r:r + 1],
+                                        backend="hopper")
+        assert torch.equal(alone[0], out[r]), f"row {r}: its logits depend on the rows beside it"

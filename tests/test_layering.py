@@ -329,6 +329,14 @@ def test_mla_launchers_share_mla_split_not_each_other():
             f"kernels/{name} uses {sorted(used)} of sparse_mla_hopper"
 
 
+def test_the_ragged_hopper_launcher_imports_no_kernel_module():
+    """The Gluon ragged-logits kernel is handed its grid: it imports neither the portable launcher nor
+    any other kernels module, and the portable module uses only its public names."""
+    assert not _kernel_imports(KERNELS / "indexer_logits_ragged_hopper.py")
+    used = _kernel_imports(KERNELS / "indexer_logits_ragged.py").get("indexer_logits_ragged_hopper", set())
+    assert used and not {u for u in used if u.startswith("_")}, sorted(used)
+
+
 PUBLIC = ["Completion", "DSAAttention", "DSAConfig", "DSAModel", "Delta", "Engine", "EngineStats", "LLM", "BatchPlan",
           "LightningIndexer", "SamplingParams", "absorb_kv_b", "bytes_per_token", "layer_runs_indexer", "softmax_scale"]
 

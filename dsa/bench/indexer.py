@@ -17,6 +17,7 @@ from dsa.kernels import (
     indexer_logits_paged,
     indexer_logits_paged_reference,
     indexer_logits_ragged,
+    indexer_logits_ragged_hopper as ragged_hopper,
     indexer_logits_ragged_reference,
     indexer_query_prep,
     indexer_query_prep_reference,
@@ -112,17 +113,19 @@ def bench_query_prep(device, timer, ceilings, t: int) -> dict:
                       bytes_moved=t * HI * (2 * DI + 4 + DI + 4))
 
 
-def bench_ragged(device, timer, ceilings, t: int, s: int) -> dict:
-    """A prefill chunk of ``t`` queries on top of ``s - t`` cached keys (the causal tail)."""
+def bench_ragged(device, timer, ceilings, t: int, s: int, backend: str = "auto") -> dict:
+    """A prefill chunk of ``t`` queries on top of ``s - t`` cached keys (the causal tail); the row's impl
+    names the kernel that ran (``hopper``: the Gluon kernel, ``triton``: the portable one)."""
     q8, w, k8, k_scale, starts, ends = ragged_inputs(t, s, device)
-    out = indexer_logits_ragged(q8, w, k8, k_scale, starts, ends)
+    impl = "hopper" if ragged_hopper.use_hopper(backend, device, HI, DI, (q8, k8)) else "triton"
+    out = indexer_logits_ragged(q8, w, k8, k_scale, starts, ends, backend=backend)
     rows = torch.arange(0, t, max(1, t // 64), device=device)  # the reference on a subset of rows
     check_logits("indexer_logits_ragged", out[rows],
                  indexer_logits_ragged_reference(q8[rows], w[rows], k8, k_scale, starts[rows], ends[rows]))
     del out
-    timing = timer(lambda: indexer_logits_ragged(q8, w, k8, k_scale, starts, ends), reps=10)
+    timing = timer(lambda: indexer_logits_ragged(q8, w, k8, k_scale, starts, ends, backend=backend), reps=10)
     flops = 2 * HI * DI * int((ends - starts).sum())
-    return result_row("indexer_logits_ragged", "triton", dict(T=t, S=s, HI=HI, ranges="causal tail"), timing,
+    return result_row("indexer_logits_ragged", impl, dict(T=t, S=s, HI=HI, ranges="causal tail"), timing,
                       ceilings, bytes_moved=t * s * 4 + s * (DI + 4) + t * HI * (DI + 4), flops=flops, bound="fp8",
                       target_us=flops / (INDEXER_RAGGED_TFLOPS * 1e6))
 
@@ -161,6 +164,8 @@ def run(device, timer, ceilings, args) -> list:
     for b, n, s in shapes:
         rows += bench_paged(device, timer, ceilings, b, n, s)
     rows.append(bench_ragged(device, timer, ceilings, 4096, 65536))
+    if rows[-1]["impl"] == "hopper":  # the portable kernel beside it, same run
+        rows.append(bench_ragged(device, timer, ceilings, 4096, 65536, backend="triton"))
     if getattr(args, "variants", False):
         rows += bench_variants(device, timer, ceilings)
     return rows
@@ -177,7 +182,8 @@ PAGED_VARIANTS = [
 RAGGED_VARIANTS = [
     dict(), dict(tma=True), dict(tma=True, stages=4), dict(stages=4), dict(num_warps=8), dict(block_t=2),
     dict(block_t=2, tma=True, stages=4), dict(block_s=128, block_t=2, num_warps=8, tma=True),
-]
+    dict(hopper_kernel=True, stages=2), dict(hopper_kernel=True, stages=4), dict(hopper_kernel=True, stages=6),
+]  # hopper_kernel: the Gluon kernel (sm_90), another head-sum order: equal to the default to fp32 rounding
 
 
 def _knobs(kw: dict) -> str:
