@@ -100,13 +100,14 @@ def ragged_grid(t: int, s: int, block_t: int, block_s: int, slots: int) -> tuple
 
 
 def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, *, block_s=64, block_t=None, num_warps=4,
-                                  stages=None, tma=False, waves=2, hopper_kernel=False):
+                                  stages=None, tma=False, waves=2, hopper_kernel=False,
+                                  reduced=False):
     """The launch. Tuning knobs (private; ``dsa bench indexer --variants`` sweeps them): ``block_s``
     keys and ``block_t`` query tokens a tile (None: ``256 / HI_PAD``, the dot's N dim 256), warps,
     pipeline ``stages`` (None: 3), ``tma`` (TMA loads of the keys and scales), ``waves`` (programs per SM to
     aim for). ``hopper_kernel``: the Gluon kernel of ``indexer_logits_ragged_hopper`` instead, one
-    program a SM (``stages`` its key buffers, None: ``hopper.STAGES``; the other knobs are the
-    portable kernel's)."""
+    program a SM (``stages`` its key buffers, None: ``hopper.STAGES``; ``reduced`` its store layout;
+    the other knobs are the portable kernel's)."""
     t, hi, di = q8.shape
     s = k8.shape[0]
     logits = torch.empty((t, s), dtype=torch.float32, device=q8.device)
@@ -117,7 +118,7 @@ def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, *, blo
     if hopper_kernel:
         grid, tiles_per_prog = ragged_grid(t, s, hopper.DOT_N // hi, hopper.BLOCK_S, sm_count(q8.device))
         return hopper.indexer_logits_ragged_hopper(q8, weights, k8, k_scale, starts, ends, logits, grid, tiles_per_prog,
-                                                   stages=stages or hopper.STAGES)
+                                                   stages=stages or hopper.STAGES, reduced=reduced)
     stages = stages or 3
     # the dot's N dim BLOCK_T * HI_PAD = 256 (one wgmma; q reuse halves L2 reads per FLOP), 64 keys a
     # tile, one warpgroup: at the model's calls (2**26 logits a call: 1024 x 64K, 256 x 256K, 64 x 1M) 4 warps

@@ -117,19 +117,21 @@ if AVAILABLE:
     @gluon.jit
     def _consumer(q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
                   tiles_per_prog, sQ, sK, bars, HI: gl.constexpr, BLOCK_T: gl.constexpr, NSTAGE: gl.constexpr,
-                  WG: gl.constexpr):
+                  REDUCED: gl.constexpr, WG: gl.constexpr):
         """Warpgroup ``WG``: tiles ``WG, WG + 2, ...`` of the program's range, and its share of the
         ``-inf`` tiles around it."""
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 256, 32])
-        # [64 keys, BLOCK_T tokens]: the logits as they are stored, a token's keys across lanes
-        OUT: gl.constexpr = gl.BlockedLayout([1, (BLOCK_T + 1) // 2], [16, 2], [4, 1], [0, 1])
+        zero = gl.zeros([64, 256], gl.float32, ACC)
+        # [64 keys, BLOCK_T tokens]: the layout the head sum leaves (each value in the 4 lanes of a quad),
+        # or (not REDUCED) a token's keys across lanes, one value a lane, reached through shared memory
+        RED: gl.constexpr = gl.sum(gl.reshape(zero, [64, BLOCK_T, HI]), axis=2).type.layout
+        OUT: gl.constexpr = RED if REDUCED else gl.BlockedLayout([1, (BLOCK_T + 1) // 2], [16, 2], [4, 1], [0, 1])
         s_begin, s_end, c_begin, c_tiles = _key_range(starts_ptr, ends_ptr, num_tokens, num_keys, tiles_per_prog,
                                                       BLOCK_T, 4)
         col = gl.arange(0, 256, layout=gl.SliceLayout(0, ACC))
         q_row = gl.program_id(0).to(gl.int64) * 256 + col
         w = gl.load(w_ptr + q_row, mask=q_row < num_tokens * HI, other=0.0)  # [256] fp32
-        zero = gl.zeros([64, 256], gl.float32, ACC)
         t = gl.program_id(0) * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, OUT))
         t_ok = t < num_tokens
         start = gl.load(starts_ptr + t, mask=t_ok, other=num_keys)
@@ -162,21 +164,23 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer0(q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
-                   tiles_per_prog, sQ, sK, bars, HI: gl.constexpr, BLOCK_T: gl.constexpr, NSTAGE: gl.constexpr):
+                   tiles_per_prog, sQ, sK, bars, HI: gl.constexpr, BLOCK_T: gl.constexpr, NSTAGE: gl.constexpr,
+                   REDUCED: gl.constexpr):
         _consumer(q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys, tiles_per_prog,
-                  sQ, sK, bars, HI, BLOCK_T, NSTAGE, 0)
+                  sQ, sK, bars, HI, BLOCK_T, NSTAGE, REDUCED, 0)
 
     @gluon.jit
     def _consumer1(q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
-                   tiles_per_prog, sQ, sK, bars, HI: gl.constexpr, BLOCK_T: gl.constexpr, NSTAGE: gl.constexpr):
+                   tiles_per_prog, sQ, sK, bars, HI: gl.constexpr, BLOCK_T: gl.constexpr, NSTAGE: gl.constexpr,
+                   REDUCED: gl.constexpr):
         _consumer(q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys, tiles_per_prog,
-                  sQ, sK, bars, HI, BLOCK_T, NSTAGE, 1)
+                  sQ, sK, bars, HI, BLOCK_T, NSTAGE, REDUCED, 1)
 
     # T, S and tiles_per_prog change per step; weights, starts and ends are views at any offset
     @gluon.jit(do_not_specialize=["num_tokens", "num_keys", "tiles_per_prog"],
                do_not_specialize_on_alignment=["w_ptr", "starts_ptr", "ends_ptr"])
     def _ragged_hopper_kernel(q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
-                              tiles_per_prog, HI: gl.constexpr, NSTAGE: gl.constexpr,
+                              tiles_per_prog, HI: gl.constexpr, NSTAGE: gl.constexpr, REDUCED: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """Program (t tile, split): ``256 / HI`` tokens against key tiles ``[split * tiles_per_prog, ...)``."""
         BLOCK_T: gl.constexpr = 256 // HI
@@ -188,9 +192,9 @@ if AVAILABLE:
             mbarrier.init(bars.index(i), count=1)
         gl.warp_specialize([
             (_consumer0, (q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
-                          tiles_per_prog, sQ, sK, bars, HI, BLOCK_T, NSTAGE)),
+                          tiles_per_prog, sQ, sK, bars, HI, BLOCK_T, NSTAGE, REDUCED)),
             (_consumer1, (q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
-                          tiles_per_prog, sQ, sK, bars, HI, BLOCK_T, NSTAGE)),
+                          tiles_per_prog, sQ, sK, bars, HI, BLOCK_T, NSTAGE, REDUCED)),
             (_producer, (q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
                          tiles_per_prog, sQ, sK, bars, HI, BLOCK_T, NSTAGE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -202,16 +206,17 @@ MAX_REGS = 224  # the kernel-wide limit: 9 warps x 224 registers fit the registe
 
 
 def indexer_logits_ragged_hopper(q8, weights, k8, k_scale, starts, ends, logits, grid, tiles_per_prog, *,
-                                 stages: int = STAGES):
+                                 stages: int = STAGES, reduced: bool = False):
     """Fill ``logits [T, S]`` (arguments as ``indexer_logits_ragged``'s, validated and made contiguous
     there) over ``grid = (row tiles, key splits)`` of ``256 / HI`` tokens and ``tiles_per_prog`` key
     tiles a program (``ragged_grid``; one program a SM: a program holds 9 warps of 224 registers).
-    ``stages``: key buffers in the ring (a tuning knob)."""
+    Tuning knobs: ``stages`` key buffers in the ring; ``reduced`` stores the logits from the layout the
+    head sum leaves (no shared-memory exchange, four lanes a value) instead of one value a lane."""
     t, hi, di = q8.shape
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     q_desc = TensorDescriptor.from_tensor(q8.view(t * hi, di), [DOT_N, di], layout)
     k_desc = TensorDescriptor.from_tensor(k8, [BLOCK_S, di], layout)
     _ragged_hopper_kernel[grid](q_desc, k_desc, starts, ends, weights, k_scale, logits, t, k8.shape[0], tiles_per_prog,
-                                HI=hi, NSTAGE=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                                num_warps=4, maxnreg=MAX_REGS)
+                                HI=hi, NSTAGE=stages, REDUCED=reduced, CONSUMER_REGS=CONSUMER_REGS,
+                                PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS)
     return logits
