@@ -28,7 +28,7 @@ TOPK_KNOBS = [dict(bound_tiles=1 << 30), dict(bound_tiles=1), dict(bound_tiles=2
               dict(tile_programs=264), dict(tile_programs=1056), dict(sample=2048), dict(programs=1056)]
 # the portable kernel (where the Gluon one is the default), and the Gluon kernel's key buffers
 LOGITS_KNOBS = [dict(hopper_kernel=False), dict(hopper_kernel=True, stages=2), dict(hopper_kernel=True, stages=3),
-                dict(hopper_kernel=True, stages=6), dict(hopper_kernel=True, reduced=True), dict(waves=4)]
+                dict(hopper_kernel=True, stages=6), dict(waves=4)]
 
 
 def kernel_split(fn, calls: int = 5) -> dict:

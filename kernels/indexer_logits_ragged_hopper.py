@@ -6,7 +6,7 @@ being scored), scheduled so the FP8 dot and the per-tile epilogue overlap. One p
 ``256 / HI`` query tokens (all their heads: the dot's N dim, 256) and a range of key tiles of 64
 keys (the dot's M dim):
 
-- a producer warp loads the tokens' queries once and the key tiles into a ring of ``STAGES``
+- a producer warp loads the tokens' queries once and the key tiles into a ring of ``STAGES`` (8)
   shared-memory buffers by TMA, each with its ready/free mbarrier;
 - two consumer warpgroups take the tiles in turn (even tiles, odd tiles): each computes
   ``S = K Q^T`` of its tile with one wgmma (``[64, 256]`` fp32, 128 registers a thread), frees the
@@ -15,9 +15,10 @@ keys (the dot's M dim):
   for its dot before its epilogue: the tensor cores idle for the epilogue's ~300 instructions a
   tile.
 
-The head sum runs in another order than the portable kernel's: logits agree with it to fp32
-rounding, not bitwise (each row's logits still depend on that row alone). Needs ``HI`` a power of
-two in 16..128 and ``DI = 128``, FP8 queries and keys. :func:`use_hopper` keeps the portable kernel
+Its wgmma accumulator has the portable kernel's layout, so the head sum runs in the same order: the
+logits are the portable kernel's bit for bit (``tests/test_indexer_kernels_gpu.py``, H200), and each
+row's logits depend on that row alone. Needs ``HI`` a power of two in 16..128 and ``DI = 128``,
+FP8 queries and keys. :func:`use_hopper` keeps the portable kernel
 where Gluon cannot be imported (:data:`AVAILABLE`) and on Triton releases this kernel has not run
 on (:data:`TESTED_TRITON`).
 """
@@ -35,7 +36,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 BLOCK_S = 64  # keys a tile: one wgmma M
 DOT_N = 256  # query rows (tokens x heads) a program: one wgmma N
-STAGES = 4  # key buffers in the ring
+STAGES = 8  # key buffers in the ring (6-10 measured alike on the H200, 4 up to 12% slower)
 TESTED_TRITON = ("3.6",)  # Triton releases this kernel has run on (it also compiles on 3.9)
 
 
@@ -117,16 +118,15 @@ if AVAILABLE:
     @gluon.jit
     def _consumer(q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
                   tiles_per_prog, sQ, sK, bars, HI: gl.constexpr, BLOCK_T: gl.constexpr, NSTAGE: gl.constexpr,
-                  REDUCED: gl.constexpr, WG: gl.constexpr):
+                  WG: gl.constexpr):
         """Warpgroup ``WG``: tiles ``WG, WG + 2, ...`` of the program's range, and its share of the
         ``-inf`` tiles around it."""
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 256, 32])
         zero = gl.zeros([64, 256], gl.float32, ACC)
-        # [64 keys, BLOCK_T tokens]: the layout the head sum leaves (each value in the 4 lanes of a quad),
-        # or (not REDUCED) a token's keys across lanes, one value a lane, reached through shared memory
-        RED: gl.constexpr = gl.sum(gl.reshape(zero, [64, BLOCK_T, HI]), axis=2).type.layout
-        OUT: gl.constexpr = RED if REDUCED else gl.BlockedLayout([1, (BLOCK_T + 1) // 2], [16, 2], [4, 1], [0, 1])
+        # [64 keys, BLOCK_T tokens]: the logits as they are stored, a token's keys across lanes (stored from
+        # the layout the head sum leaves, four lanes a value, measured 1,202 against 1,159 us at 64 x 1M)
+        OUT: gl.constexpr = gl.BlockedLayout([1, (BLOCK_T + 1) // 2], [16, 2], [4, 1], [0, 1])
         s_begin, s_end, c_begin, c_tiles = _key_range(starts_ptr, ends_ptr, num_tokens, num_keys, tiles_per_prog,
                                                       BLOCK_T, 4)
         col = gl.arange(0, 256, layout=gl.SliceLayout(0, ACC))
@@ -164,23 +164,21 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer0(q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
-                   tiles_per_prog, sQ, sK, bars, HI: gl.constexpr, BLOCK_T: gl.constexpr, NSTAGE: gl.constexpr,
-                   REDUCED: gl.constexpr):
+                   tiles_per_prog, sQ, sK, bars, HI: gl.constexpr, BLOCK_T: gl.constexpr, NSTAGE: gl.constexpr):
         _consumer(q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys, tiles_per_prog,
-                  sQ, sK, bars, HI, BLOCK_T, NSTAGE, REDUCED, 0)
+                  sQ, sK, bars, HI, BLOCK_T, NSTAGE, 0)
 
     @gluon.jit
     def _consumer1(q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
-                   tiles_per_prog, sQ, sK, bars, HI: gl.constexpr, BLOCK_T: gl.constexpr, NSTAGE: gl.constexpr,
-                   REDUCED: gl.constexpr):
+                   tiles_per_prog, sQ, sK, bars, HI: gl.constexpr, BLOCK_T: gl.constexpr, NSTAGE: gl.constexpr):
         _consumer(q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys, tiles_per_prog,
-                  sQ, sK, bars, HI, BLOCK_T, NSTAGE, REDUCED, 1)
+                  sQ, sK, bars, HI, BLOCK_T, NSTAGE, 1)
 
     # T, S and tiles_per_prog change per step; weights, starts and ends are views at any offset
     @gluon.jit(do_not_specialize=["num_tokens", "num_keys", "tiles_per_prog"],
                do_not_specialize_on_alignment=["w_ptr", "starts_ptr", "ends_ptr"])
     def _ragged_hopper_kernel(q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
-                              tiles_per_prog, HI: gl.constexpr, NSTAGE: gl.constexpr, REDUCED: gl.constexpr,
+                              tiles_per_prog, HI: gl.constexpr, NSTAGE: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """Program (t tile, split): ``256 / HI`` tokens against key tiles ``[split * tiles_per_prog, ...)``."""
         BLOCK_T: gl.constexpr = 256 // HI
@@ -192,31 +190,30 @@ if AVAILABLE:
             mbarrier.init(bars.index(i), count=1)
         gl.warp_specialize([
             (_consumer0, (q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
-                          tiles_per_prog, sQ, sK, bars, HI, BLOCK_T, NSTAGE, REDUCED)),
+                          tiles_per_prog, sQ, sK, bars, HI, BLOCK_T, NSTAGE)),
             (_consumer1, (q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
-                          tiles_per_prog, sQ, sK, bars, HI, BLOCK_T, NSTAGE, REDUCED)),
+                          tiles_per_prog, sQ, sK, bars, HI, BLOCK_T, NSTAGE)),
             (_producer, (q_desc, k_desc, starts_ptr, ends_ptr, w_ptr, ks_ptr, out_ptr, num_tokens, num_keys,
                          tiles_per_prog, sQ, sK, bars, HI, BLOCK_T, NSTAGE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-CONSUMER_REGS = 224  # 128 accumulator registers a thread, the epilogue's and the addresses
-PRODUCER_REGS = 40  # one warp issuing TMA copies
-MAX_REGS = 224  # the kernel-wide limit: 9 warps x 224 registers fit the register file
+CONSUMER_REGS = 232  # 128 accumulator registers a thread, the epilogue's and the addresses
+PRODUCER_REGS = 40  # one warp issuing TMA copies (its warpgroup padded to 4 warps)
+MAX_REGS = (2 * CONSUMER_REGS + PRODUCER_REGS) // 3  # 168: the kernel-wide limit of 3 warpgroups' registers
 
 
 def indexer_logits_ragged_hopper(q8, weights, k8, k_scale, starts, ends, logits, grid, tiles_per_prog, *,
-                                 stages: int = STAGES, reduced: bool = False):
+                                 stages: int = STAGES):
     """Fill ``logits [T, S]`` (arguments as ``indexer_logits_ragged``'s, validated and made contiguous
     there) over ``grid = (row tiles, key splits)`` of ``256 / HI`` tokens and ``tiles_per_prog`` key
-    tiles a program (``ragged_grid``; one program a SM: a program holds 9 warps of 224 registers).
-    Tuning knobs: ``stages`` key buffers in the ring; ``reduced`` stores the logits from the layout the
-    head sum leaves (no shared-memory exchange, four lanes a value) instead of one value a lane."""
+    tiles a program (``wave_grid``; one program a SM: its 3 warpgroups hold the register file).
+    ``stages``: key buffers in the ring (a tuning knob)."""
     t, hi, di = q8.shape
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     q_desc = TensorDescriptor.from_tensor(q8.view(t * hi, di), [DOT_N, di], layout)
     k_desc = TensorDescriptor.from_tensor(k8, [BLOCK_S, di], layout)
     _ragged_hopper_kernel[grid](q_desc, k_desc, starts, ends, weights, k_scale, logits, t, k8.shape[0], tiles_per_prog,
-                                HI=hi, NSTAGE=stages, REDUCED=reduced, CONSUMER_REGS=CONSUMER_REGS,
+                                HI=hi, NSTAGE=stages, CONSUMER_REGS=CONSUMER_REGS,
                                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS)
     return logits

@@ -213,6 +213,31 @@ def test_ragged_grid_stays_within_one_wave(t, s, slots):
         assert t_tiles * splits > slots // 2, f"{t_tiles} x {splits} programs leave half of {slots} slots idle"
 
 
+WAVE_GRIDS = GRIDS + [(400, 160000, 132), (671, 100000, 132), (300, 220000, 132), (600, 6000, 132), (1, 131073, 132)]
+
+
+@pytest.mark.parametrize("t,s,slots", WAVE_GRIDS, ids=[f"T{t}-S{s}-slots{n}" for t, s, n in WAVE_GRIDS])
+def test_wave_grid_fills_its_last_wave(t, s, slots):
+    """The Hopper kernel's grid (one program a SM) covers every key tile once, none empty, and its modelled
+    time never exceeds the one-wave rule's: 100 row tiles of 160K keys, unsplit on 132 SMs (76% busy), split
+    five ways fill four waves to 95%; at the model's 1M and 512K calls it is the one-wave grid."""
+    ragged = importlib.import_module("dsa.kernels.indexer_logits_ragged")
+    (t_tiles, splits), per = ragged.wave_grid(t, s, 4, 64, slots)
+    s_tiles = -(-s // 64)
+    assert t_tiles == -(-t // 4)
+    assert (splits - 1) * per < s_tiles <= splits * per, (splits, per, s_tiles)
+
+    def cost(splits, per):
+        return -(-t_tiles * splits // slots) * (per + ragged.SETUP_TILES)
+
+    (_, one_wave), one_per = ragged.ragged_grid(t, s, 4, 64, slots)
+    assert cost(splits, per) <= cost(one_wave, one_per), (splits, per, one_wave, one_per)
+    if (t, s, slots) in ((64, 1 << 20, 132), (128, 1 << 19, 132)):
+        assert (splits, per) == (one_wave, one_per)
+    if (t, s, slots) == (400, 160000, 132):
+        assert t_tiles * splits / (-(-t_tiles * splits // slots) * slots) > 0.9, splits
+
+
 def test_logits_kernels_refuse_more_than_128_heads():
     q8 = torch.zeros(1, 1, 129, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
     cache = torch.zeros(1, 16 * 132, dtype=torch.uint8, device=DEVICE)

@@ -183,8 +183,7 @@ RAGGED_VARIANTS = [
     dict(), dict(tma=True), dict(tma=True, stages=4), dict(stages=4), dict(num_warps=8), dict(block_t=2),
     dict(block_t=2, tma=True, stages=4), dict(block_s=128, block_t=2, num_warps=8, tma=True),
     dict(hopper_kernel=True, stages=2), dict(hopper_kernel=True, stages=4), dict(hopper_kernel=True, stages=6),
-    dict(hopper_kernel=True, reduced=True),
-]  # hopper_kernel: the Gluon kernel (sm_90), another head-sum order: equal to the default to fp32 rounding
+]  # hopper_kernel: the Gluon kernel (sm_90)
 
 
 def _knobs(kw: dict) -> str:
