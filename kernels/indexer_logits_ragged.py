@@ -108,8 +108,10 @@ SETUP_TILES = 6  # a program's fixed cost (its queries, the ring filling, the la
 def wave_grid(t: int, s: int, block_t: int, block_s: int, slots: int) -> tuple[tuple[int, int], int]:
     """``((row tiles, key splits), key tiles a program)`` for a kernel of one program a slot: the key split
     that minimizes ``waves * (key tiles a program + SETUP_TILES)`` (by 3% at least over fewer splits), so the
-    last wave is not left mostly idle. ``ragged_grid``'s one-wave rule leaves 100 row tiles (160K keys a call) unsplit, 100 busy SMs of
-    132; split 29 ways they fill 22 waves to 99.9%. Splits past eight waves' worth are not tried."""
+    last wave is not left mostly idle. ``ragged_grid``'s one-wave rule leaves 100 row tiles (160K keys a call)
+    unsplit, 100 busy SMs of 132; split five ways they fill four waves to 95% (1,422 -> 1,026 us on the H200,
+    ``benchmarks/results/prefill-indexer-split-h200-2026-12-03-at-b1f80b3.json``). Splits past eight waves'
+    worth are not tried."""
     t_tiles, s_tiles = triton.cdiv(t, block_t), triton.cdiv(s, block_s)
     best = None
     for want in range(1, min(s_tiles, triton.cdiv(8 * slots, t_tiles)) + 1):
@@ -125,8 +127,8 @@ def _indexer_logits_ragged_triton(q8, weights, k8, k_scale, starts, ends, *, blo
                                   stages=None, tma=False, waves=2, hopper_kernel=False):
     """The launch. Tuning knobs (private; ``dsa bench indexer --variants`` sweeps them): ``block_s``
     keys and ``block_t`` query tokens a tile (None: ``256 / HI_PAD``, the dot's N dim 256), warps,
-    pipeline ``stages`` (None: 3), ``tma`` (TMA loads of the keys and scales), ``waves`` (programs per SM to
-    aim for). ``hopper_kernel``: the Gluon kernel of ``indexer_logits_ragged_hopper`` instead, one
+    pipeline ``stages`` (None: 3), ``tma`` (TMA loads of the keys and scales), ``waves`` (programs per
+    SM to aim for). ``hopper_kernel``: the Gluon kernel of ``indexer_logits_ragged_hopper`` instead, one
     program a SM (``stages`` its key buffers, None: ``hopper.STAGES``; the other knobs are the
     portable kernel's)."""
     t, hi, di = q8.shape

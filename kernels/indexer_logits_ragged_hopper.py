@@ -18,9 +18,8 @@ keys (the dot's M dim):
 Its wgmma accumulator has the portable kernel's layout, so the head sum runs in the same order: the
 logits are the portable kernel's bit for bit (``tests/test_indexer_kernels_gpu.py``, H200), and each
 row's logits depend on that row alone. Needs ``HI`` a power of two in 16..128 and ``DI = 128``,
-FP8 queries and keys. :func:`use_hopper` keeps the portable kernel
-where Gluon cannot be imported (:data:`AVAILABLE`) and on Triton releases this kernel has not run
-on (:data:`TESTED_TRITON`).
+FP8 queries and keys. :func:`use_hopper` keeps the portable kernel where Gluon cannot be imported
+(:data:`AVAILABLE`) and on Triton releases this kernel has not run on (:data:`TESTED_TRITON`).
 """
 import torch
 import triton
