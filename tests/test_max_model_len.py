@@ -222,6 +222,7 @@ def test_bench_long_at_tiny_lengths_writes_well_formed_json_and_a_figure(tmp_pat
     assert r["indexer_flops"] == 2 * c.index_n_heads * c.index_head_dim * pairs * 2  # FSFS: 2 layers index
     assert 0 < r["indexer_s"] < r["ttft_s"] and r["indexer_frac_fp8"] is None  # no FP8 ceiling on CPU
     assert rows[("dense", 128)]["indexer_flops"] == 0 and rows[("dense", 128)]["indexer_s"] == 0
+    assert r["ragged_logits_kernel"] == "torch" and rows[("dense", 128)]["ragged_logits_kernel"] is None
     assert (tmp_path / (path.stem + ".png")).stat().st_size > 10000
 
 

@@ -21,7 +21,9 @@ every context bucket: nothing compiles or captures while a request is timed). A 
   (``cache_bytes``);
 - ``chunks``: ``[first position, rows, ms]`` of each prefill step (the engine's
   :attr:`~dsa.engine.engine.EngineStats.prefill_steps`): a long prompt's cost by position, to
-  choose ``--max-batch-tokens`` by.
+  choose ``--max-batch-tokens`` by;
+- ``ragged_logits_kernel``: the kernel that scores the prefill rows (``hopper``: the Gluon kernel on
+  sm_90, ``triton``: the portable one, ``torch`` on CPU).
 
 ``dense`` rows run the same weights without the indexer (dense attention over the whole context)
 for the lengths up to ``--dense-up-to`` (default 128K). The figure (``<result>.png``): time to
@@ -35,6 +37,7 @@ import torch
 from dsa.config import bytes_per_token, indexer_layers
 from dsa.engine import Engine, SamplingParams
 from dsa.engine.runner import decode_graph_estimate
+from dsa.kernels import indexer_logits_ragged_hopper as ragged_hopper
 from dsa.kernels.common import cdiv
 from dsa.model.presets import preset_model
 
@@ -168,7 +171,17 @@ def long_row(impl: str, engine, length: int, new_tokens: int, ceilings: dict, wa
                       indexer_share_of_ttft=m["indexer_s"] / m["ttft_s"], decode_tokens_per_s=m["decode_tokens_per_s"],
                       decode_tokens=m["tokens"] - 1, graph_steps=m["graph_steps"],
                       peak_allocated_bytes=m["peak_allocated_bytes"], cache_bytes=cache,
-                      max_model_len=engine.max_model_len, warmup=warm, chunks=m["chunks"])
+                      max_model_len=engine.max_model_len, warmup=warm, chunks=m["chunks"],
+                      ragged_logits_kernel=ragged_logits_kernel(engine.model) if impl == "dsa" else None)
+
+
+def ragged_logits_kernel(model) -> str:
+    """Which kernel scores the FP8 prefill rows (``indexer_logits_ragged``'s ``"auto"``): ``"hopper"`` (the
+    Gluon kernel), ``"triton"`` (the portable one) or ``"torch"`` (CPU, or exact precision)."""
+    c = model.config
+    if model.device.type != "cuda" or c.indexer_precision == "exact":
+        return "torch"
+    return "hopper" if ragged_hopper.use_hopper("auto", model.device, c.index_n_heads, c.index_head_dim) else "triton"
 
 
 def say_row(say, r: dict) -> None:
