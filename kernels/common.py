@@ -142,3 +142,37 @@ def torch_only(backend: str, op: str) -> None:
 def compute_dtype(*tensors) -> torch.dtype:
     """float64 when any float input is float64, else float32: the references' arithmetic."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def hopper_platform_reason(available: bool, unavailable: str, tested: tuple, device: torch.device,
+                           capability: tuple[int, int] | None, triton_version: str | None) -> str | None:
+    """Why a Gluon kernel for sm_90 cannot run here, or None: ``available`` (its Gluon API imported,
+    else ``unavailable`` says what is missing), a Triton release it has run on (``tested`` prefixes),
+    a CUDA device of capability (9, 0). ``capability`` and ``triton_version`` default to the device's
+    and the installed ones (tests pass them to decide without a GPU)."""
+    import triton
+
+    version = triton.__version__ if triton_version is None else triton_version
+    if not available:
+        return unavailable
+    if not version.startswith(tested):
+        return f"the kernel has run on Triton {', '.join(tested)}, this is Triton {version}"
+    if device.type != "cuda":
+        return f"it runs on CUDA devices, got {device}"
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) != (9, 0):
+        return f"it needs an sm_90 (Hopper) device, got sm_{capability[0]}{capability[1]}"
+    return None
+
+
+def choose_hopper(backend: str, reason) -> bool:
+    """Whether a call that runs a Triton kernel runs the Hopper one: ``backend="hopper"`` asks for it
+    (ValueError naming ``reason()`` where it cannot run), ``"auto"`` takes it where ``reason()`` is
+    None, any other backend keeps the portable kernel (``reason`` is not called)."""
+    if backend not in ("auto", "hopper"):
+        return False
+    why = reason()
+    if backend == "hopper" and why is not None:
+        raise ValueError(f"backend: 'hopper' cannot run this call: {why}; use backend='triton' or 'auto'")
+    return why is None

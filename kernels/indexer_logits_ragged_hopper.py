@@ -22,7 +22,8 @@ FP8 queries and keys. :func:`use_hopper` keeps the portable kernel where Gluon c
 (:data:`AVAILABLE`) and on Triton releases this kernel has not run on (:data:`TESTED_TRITON`).
 """
 import torch
-import triton
+
+from .common import choose_hopper, hopper_platform_reason
 
 try:  # Gluon's API moves between Triton releases; without it this path is simply not offered
     from triton.experimental import gluon
@@ -45,17 +46,10 @@ def unsupported_reason(device: torch.device, hi: int, di: int, tensors: tuple = 
     release, an sm_90 device, ``HI`` a power of two in 16..128, ``DI = 128`` and 16-byte aligned
     ``tensors`` (the TMA bases). ``capability`` and ``triton_version`` default to the device's and
     the installed ones."""
-    version = triton.__version__ if triton_version is None else triton_version
-    if not AVAILABLE:
-        return "Gluon (triton.experimental.gluon) with warp specialization and TMA is not importable"
-    if not version.startswith(TESTED_TRITON):
-        return f"the kernel has run on Triton {', '.join(TESTED_TRITON)}, this is Triton {version}"
-    if device.type != "cuda":
-        return f"it runs on CUDA devices, got {device}"
-    if capability is None:
-        capability = torch.cuda.get_device_capability(device)
-    if tuple(capability) != (9, 0):
-        return f"it needs an sm_90 (Hopper) device, got sm_{capability[0]}{capability[1]}"
+    missing = "Gluon (triton.experimental.gluon) with warp specialization and TMA is not importable"
+    reason = hopper_platform_reason(AVAILABLE, missing, TESTED_TRITON, device, capability, triton_version)
+    if reason is not None:
+        return reason
     if hi not in (16, 32, 64, 128) or di != 128:
         return f"it takes HI in 16, 32, 64, 128 and DI = 128, got HI={hi}, DI={di}"
     for t in tensors:
@@ -68,12 +62,7 @@ def use_hopper(backend: str, device: torch.device, hi: int, di: int, tensors: tu
     """Whether a call that runs a Triton kernel runs this one: ``backend="hopper"`` asks for it (and
     raises ValueError where it cannot run), ``"auto"`` takes it where it can run, ``"triton"`` keeps the
     portable kernel."""
-    if backend not in ("auto", "hopper"):
-        return False
-    reason = unsupported_reason(device, hi, di, tensors, capability)
-    if backend == "hopper" and reason is not None:
-        raise ValueError(f"backend: 'hopper' cannot run this call: {reason}; use backend='triton' or 'auto'")
-    return reason is None
+    return choose_hopper(backend, lambda: unsupported_reason(device, hi, di, tensors, capability))
 
 
 if AVAILABLE:

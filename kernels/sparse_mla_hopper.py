@@ -23,8 +23,8 @@ keep the portable kernel where Gluon cannot be imported (:data:`AVAILABLE`) and 
 this kernel has not run on (:data:`TESTED_TRITON`; it also compiles on 3.9).
 """
 import torch
-import triton
 
+from .common import choose_hopper, hopper_platform_reason
 from .layouts import LATENT_FP8_ROPE_OFFSET, LATENT_FP8_SCALE_OFFSET
 from .mla_split import split_launch
 
@@ -53,17 +53,10 @@ def unsupported_reason(device: torch.device, h: int, tensors: tuple = (), capabi
     release, an sm_90 device, ``H`` a multiple of 64 (a program's rows are 64 heads of one token) and
     a contiguous, 16-byte aligned cache (``tensors``; rows are copied 16 bytes at a time).
     ``capability`` and ``triton_version`` default to the device's and the installed ones."""
-    version = triton.__version__ if triton_version is None else triton_version
-    if not AVAILABLE:
-        return "Gluon (triton.experimental.gluon) with warp specialization is not importable"
-    if not version.startswith(TESTED_TRITON):
-        return f"the kernel has run on Triton {', '.join(TESTED_TRITON)}, this is Triton {version}"
-    if device.type != "cuda":
-        return f"it runs on CUDA devices, got {device}"
-    if capability is None:
-        capability = torch.cuda.get_device_capability(device)
-    if tuple(capability) != (9, 0):
-        return f"it needs an sm_90 (Hopper) device, got sm_{capability[0]}{capability[1]}"
+    missing = "Gluon (triton.experimental.gluon) with warp specialization is not importable"
+    reason = hopper_platform_reason(AVAILABLE, missing, TESTED_TRITON, device, capability, triton_version)
+    if reason is not None:
+        return reason
     if h % BLOCK_H != 0:
         return f"it takes H a multiple of {BLOCK_H}, got H={h}"
     for t in tensors:
@@ -76,12 +69,7 @@ def use_hopper(backend: str, device: torch.device, h: int, tensors: tuple = (), 
     """Whether a call that runs a Triton kernel runs this one: ``backend="hopper"`` asks for it (and
     raises ValueError where it cannot run), ``"auto"`` takes it where it can run, ``"triton"`` keeps the
     portable kernel."""
-    if backend not in ("auto", "hopper"):
-        return False
-    reason = unsupported_reason(device, h, tensors, capability)
-    if backend == "hopper" and reason is not None:
-        raise ValueError(f"backend: 'hopper' cannot run this call: {reason}; use backend='triton' or 'auto'")
-    return reason is None
+    return choose_hopper(backend, lambda: unsupported_reason(device, h, tensors, capability))
 
 
 if AVAILABLE:
