@@ -17,15 +17,15 @@ from dsa.bench.harness import Timer, measure_ceilings
 from dsa.bench.indexer import DI, HI, K, P, ragged_inputs
 from dsa.kernels import indexer_logits_ragged, indexer_logits_ragged_hopper as hopper, topk_slots
 from dsa.kernels.indexer_logits_ragged import _indexer_logits_ragged_triton
-from dsa.kernels.topk.launch import topk_triton
+from dsa.kernels.topk.launch import bound_tile, topk_triton
 from dsa.report import env_info
 from dsa.testing import calc_diff
 
 CHUNKS = (1 << 26, 1 << 28)  # rows x keys per call: the model's RAGGED_CHUNK_ELEMS, and 4x it
-# the tile bound (kernels/topk/bound.py) off (the sampled guess at every width) and on at narrower rows; its
-# tile width and tile-maxima programs; the guess's sample and programs
-TOPK_KNOBS = [dict(bound_tiles=1 << 30), dict(bound_tiles=1), dict(bound_tiles=2), dict(tile=32), dict(tile=128),
-              dict(tile_programs=264), dict(tile_programs=1056), dict(sample=2048), dict(programs=1056)]
+# the tile bound (kernels/topk/bound.py) off (the sampled guess at every width); its tile widths (the default:
+# bound_tile(S)), its top bits found, its tile-maxima programs; the guess's sample and programs
+TOPK_KNOBS = [dict(bound_tiles=1 << 30), dict(tile=16), dict(tile=32), dict(tile=64), dict(bound_bits=32),
+              dict(bound_bits=12), dict(tile_programs=264), dict(sample=2048), dict(programs=1056)]
 # the portable kernel (where the Gluon one is the default), and the Gluon kernel's key buffers
 LOGITS_KNOBS = [dict(hopper_kernel=False), dict(hopper_kernel=True, stages=2), dict(hopper_kernel=True, stages=3),
                 dict(hopper_kernel=True, stages=6), dict(waves=4)]
@@ -57,8 +57,9 @@ def split_at(dev, timer, ceilings, s: int, elems: int, rows: int, knobs: bool, s
     flops = 2 * HI * DI * int(ends.sum()) * scale
     t = {name: timer(fn, graph=True)["median_us"] for name, fn in
          (("logits", logits_fn), ("topk", topk_fn), ("pair", pair_fn))}
-    row = dict(S=s, chunk_elems=elems, logits_impl="hopper" if hopper.use_hopper("auto", dev, HI, DI, (q8, k8))
-               else "triton", rows_per_call=r, calls=rows // r, rows=rows,
+    impl = "hopper" if hopper.use_hopper("auto", dev, HI, DI, (q8, k8)) else "triton"
+    row = dict(S=s, chunk_elems=elems, bound_tile=bound_tile(s), logits_impl=impl, rows_per_call=r, calls=rows // r,
+               rows=rows,
                **{f"{k}_us_per_call": round(v, 2) for k, v in t.items()},
                **{f"{k}_ms_per_{rows}_rows": round(v * scale / 1e3, 3) for k, v in t.items()},
                pair_tflops=round(flops / (t["pair"] * scale * 1e-6) / 1e12, 1),
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
             for s in args.lengths.split(",") for elems in CHUNKS]
     with open(args.out, "w") as f:
         json.dump(dict(op="prefill_indexer_split", env=env_info(), ceilings=ceilings, args=vars(args),
-                       command_line="python " + " ".join(sys.argv), rows=rows), f, indent=1)
+                       command_line="python " + " ".join(sys.argv), rows=rows), f, separators=(",", ":"))
     print("wrote", args.out)
     return 0
 

@@ -4,12 +4,13 @@ Selections are compared with the reference as sets: the tie rule (lowest positio
 value; NaN ranks by its bits) fixes the set, so both backends must pick the same positions. ``block=64, programs=40`` splits rows of a few hundred columns into several chunks, so the
 cross-chunk offsets and the candidate spans are exercised as on the GPU.
 """
+import numpy as np
 import pytest
 import torch
 
 from dsa import kernels as K
 from dsa.kernels.slots import positions_to_slots_reference
-from dsa.kernels.topk import topk_indices_reference
+from dsa.kernels.topk import topk_indices_reference, topk_slots
 from dsa.kernels.topk.launch import topk_triton
 from dsa.kernels.topk.reference import order_key
 
@@ -263,20 +264,49 @@ def test_warm_topk_slots_launches_each_tile_once():
 
 
 def test_warm_topk_slots_compiles_the_tile_bound_when_rows_reach_it(monkeypatch):
-    """Shapes that take the tile bound add its two variants (with and without starts) to the warm-up;
-    a server whose steps never reach BOUND_ROWS rows adds none."""
+    """Shapes that take the tile bound add its two variants (with and without starts) for each tile width
+    they can take to the warm-up; a server whose steps never reach BOUND_ROWS rows adds none."""
     from dsa.kernels.topk import finish_tile_shapes, ops, warm_topk_slots
+    from dsa.kernels.topk.launch import BOUND_ROWS, bound_widths
     seen = []
     monkeypatch.setattr(ops, "topk_slots", lambda logits, *a: seen.append((tuple(logits.shape), a[-1] is not None)))
-    from dsa.kernels.topk.launch import BOUND_ROWS
-    k, width = 4, 4 * 4 * 64
-    assert warm_topk_slots(k, width, 40, 16, "cpu") == len(finish_tile_shapes(k, width, 40)) + 2
-    assert seen[-2:] == [((BOUND_ROWS, width), False), ((BOUND_ROWS, width), True)]
+    k, width, rows = 2048, 1 << 20, 8192
+    tiles = bound_widths(k, width, rows)
+    assert sorted(tiles) == [16, 32, 64]
+    assert warm_topk_slots(k, width, rows, 16, "cpu") == len(finish_tile_shapes(k, width, rows)) + 2 * len(tiles)
+    assert seen[-6:] == [(shape, st) for shape in tiles.values() for st in (False, True)]
     seen.clear()
     assert warm_topk_slots(k, width, BOUND_ROWS - 1, 16, "cpu") == len(finish_tile_shapes(k, width, BOUND_ROWS - 1))
 
 
-BOUNDED = dict(SMALL, bound_tiles=1, bound_rows=1, tile=8, tile_programs=40)  # rows of >= k tiles of 8: the bound
+@pytest.mark.parametrize("width,tile", [(1, 16), (1 << 17, 16), (1 << 18, 16), ((1 << 18) + 1, 32), (1 << 19, 32),
+                                        ((1 << 19) + 1, 64), (1 << 20, 64), ((1 << 20) + 1, 128)],
+                         ids=["1", "128K", "256K", "256K+1", "512K", "512K+1", "1M", "1M+1"])
+def test_bound_tile_is_the_narrowest_that_fits_one_step_of_the_bound(width, tile):
+    from dsa.kernels.topk.bound import TBLOCK
+    from dsa.kernels.topk.launch import bound_tile
+    assert bound_tile(width) == tile
+    assert -(-width // tile) <= TBLOCK and (tile == 16 or -(-width // (tile // 2)) > TBLOCK)
+
+
+@pytest.mark.parametrize("k,max_width,max_rows", [(2048, 1 << 20, 8192), (2048, 600000, 64), (2048, 200000, 8192),
+                                                  (512, 1 << 16, 4096), (64, 40000, 300)],
+                         ids=["1M", "600K-64rows", "200K", "k512-64K", "k64"])
+def test_bound_widths_cover_every_tile_the_launcher_picks(k, max_width, max_rows):
+    """Every bounded shape up to ``[max_rows, max_width]`` takes a tile width the warm-up launched (so no
+    variant of the bound's kernels compiles later), and each representative takes its own."""
+    from dsa.kernels.topk.launch import bound_tile, bound_widths, bounded
+    shapes = bound_widths(k, max_width, max_rows)
+    for tile, (r, width) in shapes.items():
+        assert bound_tile(width) == tile and bounded(r, width, k) and r <= max_rows and width <= max_width
+    g = np.random.default_rng(max_width)
+    for width in np.unique(np.concatenate([g.integers(k + 1, max_width + 1, 400), [max_width]])):
+        for r in {32, 64, 128, 409, max_rows}:
+            if r <= max_rows and bounded(r, int(width), k):
+                assert bound_tile(int(width)) in shapes, (r, int(width), sorted(shapes))
+
+
+BOUNDED = dict(SMALL, bound_tiles=1, bound_rows=1, bound_elems=1, bound_bits=32, tile=8, tile_programs=40)
 
 
 def _tile_bound(row, n, k, tile):
@@ -332,6 +362,21 @@ def test_tile_bound_is_the_kth_tile_maximum_and_lists_its_tiles(n, k, tile):
             assert int(scratch["listed"][i]) < m // tile // 2, "random rows must leave most tiles out"
 
 
+@pytest.mark.parametrize("bits", [1, 9, 16], ids=["sign", "exponent", "16-bits"])
+def test_tile_bound_of_fewer_bits_is_lower_and_selects_the_same(bits):
+    """``bound_bits`` finds only tau's top bits: ``lo`` is then a key at or below the k-th tile maximum, the
+    listed tiles include those reaching it, and the selection (adversarial rows, starts) is the same."""
+    g = torch.Generator().manual_seed(bits)
+    width, k = 501, 40
+    logits, lengths, starts = adversarial_rows(width, k, g)
+    full, part = {}, {}
+    want = topk_triton(logits, lengths, k, starts, scratch=full, **BOUNDED)
+    got = topk_triton(logits, lengths, k, starts, scratch=part, **dict(BOUNDED, bound_bits=bits))
+    assert torch.equal(got.sort(1).values, want.sort(1).values)
+    assert bool((part["guess"][:, 0] <= full["guess"][:, 0]).all()) and bool((part["listed"] >= full["listed"]).all())
+    check_topk(got, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
+
+
 def test_tile_bound_falls_back_to_every_tile_when_the_tiles_hold_only_the_lowest_nan():
     """Fewer than k tiles holding anything above the lowest key (0xFFFFFFFF, a -NaN): the bound is
     INT_MIN, every tile is listed, and the selection stays exact."""
@@ -348,9 +393,10 @@ def test_tile_bound_falls_back_to_every_tile_when_the_tiles_hold_only_the_lowest
 
 
 @pytest.mark.parametrize("rows,width,k,expect", [
-    (64, 2048, 2048, False), (64, 4 * 2048 * 64 - 1, 2048, False), (64, 4 * 2048 * 64, 2048, True),
-    (64, 1 << 20, 2048, True), (64, 1 << 20, 1 << 20, False), (31, 1 << 20, 2048, False), (32, 1 << 20, 2048, True)],
-    ids=["dense", "below", "at", "1M", "k-wide", "decode-rows", "32-rows"])
+    (128, 2048, 2048, False), (128, 4 * 2048 * 16 - 1, 2048, False), (128, 4 * 2048 * 16, 2048, True),
+    (64, 4 * 2048 * 16, 2048, False), (409, 160000, 2048, True), (64, 1 << 19, 2048, True), (64, 1 << 20, 2048, True),
+    (64, 1 << 20, 1 << 20, False), (31, 1 << 20, 2048, False), (32, 1 << 20, 2048, True)],
+    ids=["dense", "below", "at", "decode-64x128K", "prefill-160K", "512K", "1M", "k-wide", "decode-rows", "32-rows"])
 def test_bounded_routes_by_width_and_rows(rows, width, k, expect):
     from dsa.kernels.topk.launch import bounded
     assert bounded(rows, width, k) is expect

@@ -21,11 +21,13 @@ Keys: :func:`~.guess.key_of` of the fp32 bits, an int32 whose signed order is
           guess: data built against the sample), it lists the whole row and selects from it the
           same way: slower, equally exact.
 
-Wide logits (:func:`bounded`: 32 rows and more, rows of at least 4k tiles of 64 columns: 512K at k = 2048)
+Wide logits (:func:`bounded`: 32 rows and more, rows of at least 4k tiles: 128K columns at k = 2048)
 replace the guess by the tile bound of :mod:`.bound`, two launches before the scan: ``lo`` is the k-th
 largest tile maximum (at least k columns reach it, and every column of the best k lies in a tile whose
 maximum reaches it), and the scan reads only the tiles listed as reaching ``lo``, ~2K of 16K at 1M
-columns, instead of the whole row; place and finish are the same.
+columns, instead of the whole row; place and finish are the same. The tiles are as narrow as the bound
+kernel's one step of tile maxima allows (:func:`bound_tile`: 16 columns to 256K, 32 to 512K, 64 to 1M),
+so the listed tiles hold ~k x tile columns.
 
 Ties at the k-th value go to the first entries of the list, which is in column order; every
 offset comes from counts summed in a fixed order, so the output is deterministic. The scan reads
@@ -43,7 +45,7 @@ import triton.language as tl
 
 from dsa.kernels.common import cdiv
 
-from .bound import TILE, tile_bound
+from .bound import TBLOCK, tile_bound
 from .guess import SEG, Z, guess_row, key_of
 from .regions import (
     HBLOCK,
@@ -68,6 +70,9 @@ MIN_CHUNK = 4096  # columns per program at least: every program pays for the sam
 SAMPLE = 512  # sample columns per row, read in runs of SEG (every scan program reads it: the guess)
 BOUND_TILES = 4  # logits take the tile bound when a row of their width has this many tiles per k at least
 BOUND_ROWS = 32  # and they have this many rows at least
+BOUND_ELEMS = 1 << 24  # and this many logits at least (the bound kernel's ~60 us a row program, paid once)
+BOUND_BITS = 16  # the bound's top bits found: sign, exponent, 7 of the mantissa (32: the k-th tile maximum itself)
+MIN_TILE = 16  # the narrowest tiles of the bound (64 bytes of fp32 logits: two sectors)
 TILE_PROGRAMS = 1056  # tile-maxima programs per launch the row split aims at (8 per H200 SM)
 
 
@@ -246,26 +251,53 @@ def _finish_kernel(logits_ptr, stride_l, lengths_ptr, starts_ptr, out_ptr, strid
                    LBLOCK)
 
 
-def bounded(rows: int, width: int, k: int, bound_tiles: int = BOUND_TILES, tile: int = TILE,
-            bound_rows: int = BOUND_ROWS) -> bool:
+def bound_tile(width: int) -> int:
+    """The tile bound's tile for rows of ``width`` columns: the narrowest power of two, ``MIN_TILE`` at
+    least, whose tiles of a row are one step (``TBLOCK``) of the bound kernel, which keeps that step in
+    registers for every bit (16 columns to 256K, 32 to 512K, 64 to 1M). Narrower tiles list fewer
+    columns (~k x tile); more of them than a step reloads the row's maxima at every bit (at 1M: 32 columns
+    took 265 us a call, 64 took 200)."""
+    return max(MIN_TILE, 1 << (cdiv(width, TBLOCK) - 1).bit_length())
+
+
+def bounded(rows: int, width: int, k: int, bound_tiles: int = BOUND_TILES, tile: int | None = None,
+            bound_rows: int = BOUND_ROWS, bound_elems: int = BOUND_ELEMS) -> bool:
     """Whether ``[rows, width]`` logits take the tile bound (``bound.py``): a row that wide has at least
-    ``bound_tiles * k`` tiles, and there are ``bound_rows`` rows at least (the bound kernel is a program
-    per row, ~60 us at 1M columns: a decode step of one row at 1M is faster on the sampled guess, whose
-    scan splits the row 256 ways)."""
-    return width > k and width >= bound_tiles * k * tile and rows >= bound_rows
+    ``bound_tiles * k`` tiles of ``tile`` (None: :func:`bound_tile`) columns, and there are ``bound_rows``
+    rows and ``bound_elems`` logits at least (the bound kernel is a program per row of ~60 us at any
+    width: a decode step of one row at 1M is faster on the sampled guess, whose scan splits the row 256
+    ways, and so are 64 rows of 128K, a 64 us call there)."""
+    tile = tile or bound_tile(width)
+    return width > k and width >= bound_tiles * k * tile and rows >= bound_rows and rows * width >= bound_elems
+
+
+def bound_widths(k: int, max_width: int, max_rows: int) -> dict:
+    """``{tile: (rows, width)}``: one logits shape of at most ``[max_rows, max_width]`` taking the tile
+    bound for each tile width :func:`bound_tile` gives to a bounded shape (each a variant of the bound's
+    kernels to compile), the fewest rows and columns that take it."""
+    shapes, tile = {}, MIN_TILE
+    while tile <= bound_tile(max_width):
+        width = max(k + 1, BOUND_TILES * k * tile, tile // 2 * TBLOCK + 1 if tile > MIN_TILE else 0)
+        rows = max(BOUND_ROWS, cdiv(BOUND_ELEMS, width))
+        if width <= max_width and rows <= max_rows and bound_tile(width) == tile and bounded(rows, width, k):
+            shapes[tile] = (rows, width)
+        tile *= 2
+    return shapes
 
 
 def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs=PROGRAMS, min_chunk=MIN_CHUNK,
-                sample=SAMPLE, num_warps=NUM_WARPS, bound_tiles=BOUND_TILES, bound_rows=BOUND_ROWS, tile=TILE,
-                tile_programs=TILE_PROGRAMS, out=None, scratch=None):
+                sample=SAMPLE, num_warps=NUM_WARPS, bound_tiles=BOUND_TILES, bound_rows=BOUND_ROWS,
+                bound_elems=BOUND_ELEMS, bound_bits=BOUND_BITS, tile=None, tile_programs=TILE_PROGRAMS, out=None,
+                scratch=None):
     """Three launches, five for logits wide enough for the tile bound (:func:`bounded`: the tile maxima
     and the bound replace the guess, and the scan reads only the listed tiles). ``slots``:
     ``(block_table, row_to_req, seq_lens, block_size)`` to write slots;
     ``block``/``programs``/``min_chunk``/``sample``/``num_warps``/``bound_tiles``/``bound_rows``/
-    ``tile``/``tile_programs``/``out`` for tests and tuning; ``scratch``: a dict that receives the region
-    histograms ``[R, C, 256]``, the region counts ``[R, C]`` (after the place kernel: the counts of
-    their bin-b fronts), the finish tile's ``(CB, W)`` and, on the tile bound, the guess records
-    ``[R, 4]`` and the listed tiles per row ``[R]`` (tests)."""
+    ``bound_elems``/``bound_bits`` (the bound's top bits found: fewer give a lower, equally exact
+    bound)/``tile`` (None: :func:`bound_tile`)/``tile_programs``/``out`` for tests and tuning;
+    ``scratch``: a dict that receives the region histograms ``[R, C, 256]``, the region counts ``[R, C]``
+    (after the place kernel: the counts of their bin-b fronts), the finish tile's ``(CB, W)`` and, on
+    the tile bound, the guess records ``[R, 4]`` and the listed tiles per row ``[R]`` (tests)."""
     r, width = logits.shape
     if out is None:
         out = torch.empty((r, k), dtype=torch.int32, device=logits.device)
@@ -275,7 +307,8 @@ def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs
     lengths = lengths.contiguous()
     starts_t = lengths if starts is None else starts.contiguous()
     chunks = max(1, min(triton.cdiv(width, min_chunk), triton.cdiv(programs, r))) if width > k else 1
-    bound = bounded(r, width, k, bound_tiles, tile, bound_rows)
+    tile = tile or bound_tile(width)
+    bound = bounded(r, width, k, bound_tiles, tile, bound_rows, bound_elems)
     tiles = triton.cdiv(width, tile)
     if bound:  # a region holds its program's share of the listed tiles, whole steps of block // tile
         cap = triton.cdiv(triton.cdiv(tiles, chunks), block // tile) * block
@@ -306,7 +339,7 @@ def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs
     flags = dict(HAS_STARTS=starts is not None, SLOTS=slots is not None)
     if bound:
         tlist, nsel = tile_bound(logits, lengths, starts_t, starts is not None, k, guess, tile=tile,
-                                 programs=tile_programs, block=block, num_warps=num_warps)
+                                 programs=tile_programs, block=block, num_warps=num_warps, bits=bound_bits)
         if scratch is not None:
             scratch.update(guess=guess, listed=nsel)
         _scan_tiles_kernel[(r, chunks)](

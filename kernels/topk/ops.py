@@ -5,7 +5,7 @@ import triton
 
 from dsa.kernels.common import check_block_size, check_int, check_same_device, check_tensor, resolve_backend
 
-from .launch import BOUND_ROWS, bounded, finish_tile_shapes, topk_triton
+from .launch import bound_widths, finish_tile_shapes, topk_triton
 from .reference import topk_indices_reference, topk_slots_reference
 
 
@@ -76,12 +76,12 @@ def topk_slots(logits: torch.Tensor, lengths: torch.Tensor, k: int, block_table:
 
 def warm_topk_slots(k: int, max_width: int, max_rows: int, block_size: int, device) -> int:
     """Launch :func:`topk_slots` once per finish tile it can choose up to ``[max_rows, max_width]``
-    (:func:`~.launch.finish_tile_shapes`) and, when rows that wide take the tile bound
-    (:func:`~.launch.bounded`), once more on it with and without ``starts``, so a server never
-    compiles one later. Returns the launches."""
+    (:func:`~.launch.finish_tile_shapes`) and, for each tile width of the tile bound that rows up to
+    that wide can take (:func:`~.launch.bound_widths`), once more on it with and without ``starts``,
+    so a server never compiles one later. Returns the launches."""
     shapes = list(finish_tile_shapes(k, max_width, max_rows).values())
-    if bounded(max_rows, max_width, k):
-        shapes += [(BOUND_ROWS, max_width, False), (BOUND_ROWS, max_width, True)]
+    for rows, width in bound_widths(k, max_width, max_rows).values():
+        shapes += [(rows, width, False), (rows, width, True)]
     for rows, width, *with_starts in shapes:
         logits = torch.randn(rows, width, device=device)
         lengths = torch.full((rows,), width, dtype=torch.int32, device=device)
