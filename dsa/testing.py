@@ -60,3 +60,71 @@ def random_block_tables(seq_lens: list[int], block_size: int, *, extra_blocks: i
         table[b, :n] = perm[at:at + n].to(torch.int32)
         at += n
     return table.to(device), num_blocks
+
+
+# aten ops that only make views (no kernel, no copy): the rest of a step's eager ops each launch work on CUDA
+_VIEW_OPS = {"view", "_unsafe_view", "reshape", "slice", "select", "as_strided", "unsqueeze", "squeeze", "expand",
+             "detach", "alias", "t", "transpose", "permute", "lift_fresh", "unbind", "split", "chunk", "narrow",
+             "view_as", "expand_as", "_reshape_alias", "unfold", "split_with_sizes", "clone_view"}
+
+
+class StepOps:
+    """Counts what a speculating engine's steps do on the host, CPU or CUDA alike (issue #39): the
+    eager aten ops outside graph replays (views not counted; ``ops`` by name), the host-to-device
+    uploads (:class:`~dsa.engine.staging.PinnedBuffers` copies and packed plans), the device-to-host
+    reads of sampled tokens, and the graph replays. Use it around ``engine.step()`` calls, with the
+    graph replays marked by :meth:`replaying` (the CPU tests' emulation does it)."""
+
+    def __init__(self):
+        self.ops, self.uploads, self.reads, self.replays, self._quiet = {}, 0, 0, 0, 0
+
+    @property
+    def eager(self) -> int:
+        return sum(self.ops.values())
+
+    def replaying(self, replay):
+        """``replay`` wrapped: counted as one replay, its own ops not counted."""
+        def run():
+            self.replays += 1
+            self._quiet += 1
+            try:
+                return replay()
+            finally:
+                self._quiet -= 1
+        return run
+
+    def op(self, name: str) -> None:
+        name = name.rstrip("_")  # in-place ops as their own: fill_ as fill
+        if not self._quiet and name not in _VIEW_OPS:
+            self.ops[name] = self.ops.get(name, 0) + 1
+
+    def counting(self, monkeypatch):
+        """Install the counters (``monkeypatch``: pytest's, or any object with ``setattr``); returns a
+        context manager that counts the aten ops dispatched inside it."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from dsa.engine import sampling, staging
+        from dsa.model import plan
+        counter = self
+
+        def wrap(owner, name, bump):
+            original = getattr(owner, name)
+
+            def counted(*args, **kwargs):
+                bump()
+                counter._quiet += 1  # an upload's own host-side ops are the copy
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    counter._quiet -= 1
+            monkeypatch.setattr(owner, name, counted)
+
+        wrap(staging.PinnedBuffers, "copy_to", lambda: setattr(self, "uploads", self.uploads + (not self._quiet)))
+        wrap(plan._Packer, "upload", lambda: setattr(self, "uploads", self.uploads + (not self._quiet)))
+        wrap(sampling.PendingSample, "__init__", lambda: setattr(self, "reads", self.reads + (not self._quiet)))
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.op(str(func.overloadpacket.__name__))
+                return func(*args, **(kwargs or {}))
+        return Mode()

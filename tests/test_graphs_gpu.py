@@ -129,18 +129,18 @@ def test_verify_replay_is_bitwise_the_eager_step_at_the_same_padded_shapes(model
     prompts, n = _prompts(), 2
     ref = Engine(model, num_blocks=64, cuda_graphs=False).generate(prompts, 8)
     engine = Engine(model, num_blocks=64, speculative_tokens=n, drafter=_scripted(model, prompts, ref, n))
-    runner, checked = engine.runner, []
-    verify = runner.run_verify
+    from dsa.engine import spec_step
+    checked, run = [], spec_step.run
 
-    def checking(out, drafts, hidden=False):
-        result = verify(out, drafts, hidden)
-        if result.graph:
+    def checking(runner, out):
+        result = run(runner, out)
+        if result.graph is not None:
             got = result.logits.clone()
-            eager, _ = runner._forward(result.plan, True)
+            eager, _ = runner._forward(spec_step.verify_plan(result), True)  # the same buffer: drafts read in
             checked.append(torch.equal(got.flatten(0, 1), eager[:got.shape[0] * got.shape[1]]))
         return result
 
-    monkeypatch.setattr(runner, "run_verify", checking)
+    monkeypatch.setattr(spec_step, "run", checking)
     engine.generate(prompts, 8)
     assert checked and all(checked), checked
 
@@ -186,7 +186,7 @@ def test_warmup_captures_every_verify_bucket_and_later_steps_only_replay(model):
     report = engine.warmup(progress=False)
     # contexts up to the pool's 256 tokens: one bucket; batch buckets 1 .. 16 (16 blocks), at next_n = 3
     assert set(engine.runner.graphs) == {Bucket(b, 256, n + 1) for b in (1, 2, 4, 8, 16)}
-    assert report["graphs_captured"] == 5 and engine.scheduler.blocks.num_free == 16
+    assert report["graphs_captured"] == 10 and engine.scheduler.blocks.num_free == 16  # two a verify bucket
     captured = dict(engine.runner.graphs)
     assert len(engine.generate(p, 6)[0]) == 6 and engine.runner.graphs == captured
     assert engine.stats.graph_steps == engine.stats.steps - 1 and engine.stats.compiles_after_warmup == 0

@@ -154,18 +154,22 @@ def test_sampled_requests_run_and_stay_seeded(model):
 
 
 class _Recording(MTPDrafter):
-    """The MTP drafter, keeping each request's tokens and drafts of every step (a host copy)."""
+    """The MTP drafter, keeping each request's tokens and drafts of every step (a host copy: eager steps)."""
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.seen = []
+        self.seen, self.slots = [], None
 
-    def propose(self, runner, out):
-        drafts = super().propose(runner, out)
-        for s, d in zip(out.sampled, drafts.tolist()):
-            if out.num_drafts[s.row]:
-                row = runner.batch.row_of[out.rids[s.row]]
-                self.seen.append((runner.batch.token_ids[row, :out.computed[s.row] + 1].tolist(), d))
+    def prepare(self, runner, slots):
+        self.slots = slots
+        return super().prepare(runner, slots)
+
+    def draft(self, runner, step, buf):
+        drafts = super().draft(runner, step, buf)
+        sl = self.slots
+        for row, c, k, d in zip(sl.rows.tolist(), sl.computed.tolist(), sl.num_drafts.tolist(), drafts.tolist()):
+            if k:
+                self.seen.append((runner.batch.token_ids[row, :c + 1].tolist(), d))
         return drafts
 
 
@@ -179,6 +183,7 @@ def test_the_trained_mtp_module_drafts_what_its_reference_says():
     e = Engine(m, num_blocks=16, speculative_tokens=2, drafter=drafter)
     assert e.generate(prompts, 8) == ref
     assert e.stats.spec.accepted > 0, e.stats.spec.as_dict()
+    assert len(drafter.seen) >= e.stats.spec.requests > 0
     for tokens, drafts in drafter.seen:
         logits, _ = mtp_logits(m, torch.tensor([tokens]))
         want = int(logits[0, -1].argmax())
@@ -236,8 +241,8 @@ def test_draft_and_verify_seconds_count_verify_steps_only():
             return self._spans
 
     stats = SpecStats(2, by_position=[0, 0], proposed_by_position=[0, 0], accepted_lengths=[0, 0, 0])
-    prefill = VerifiedStep([], None, Clock([0.5, 4.0, 0.5]), np.zeros(1, np.int64))
-    verify = VerifiedStep([], None, Clock([0.001, 0.002, 0.003]), np.array([2]))
+    prefill = VerifiedStep([], None, Clock([4.0, 0.5]), np.zeros(1, np.int64))  # (draft + verify, observe)
+    verify = VerifiedStep([], None, Clock([0.002, 0.004]), np.array([2]))
     count(stats, prefill, np.zeros(1, np.int64), [1])
     count(stats, verify, np.array([1]), [2])
     d = stats.as_dict()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dsa import DSAConfig, Engine
+from dsa.engine import spec_step
 from dsa.engine.drafter import ScriptedDrafter
 from dsa.kernels.layouts import indexer_cache_views
 from dsa.model.attention import DSAAttention
@@ -210,17 +211,14 @@ def test_replayed_verify_steps_give_the_eager_tokens(tiny, monkeypatch, n):
     engine = Engine(model, num_blocks=64, speculative_tokens=n, drafter=drafter)  # n = 2: the MTP module
     captured = _emulated_graphs(engine.runner, monkeypatch)
     replays = []
-    launch = engine.runner._launch
-    monkeypatch.setattr(engine.runner, "_launch", lambda host, pending: replays.append(host.bucket) or launch(host,
-                                                                                                              pending))
+    run = spec_step.run
+    monkeypatch.setattr(spec_step, "run", lambda runner, out: replays.append(run(runner, out)) or replays[-1])
     assert engine.generate(PROMPTS, NEW) == reference
-    keys, drafted = list(engine.runner.graphs), list(getattr(engine.drafter, "graphs", {}))
-    assert keys and all(k.next_n == n + 1 for k in keys) and len(captured) == len(keys) + len(drafted)
-    if n == 2:  # the MTP module's passes replay graphs too: the observation per verify bucket, the chained proposal
-        assert {kind for kind, _ in drafted} == {"observe", "propose"}, drafted
-        assert {b for kind, b in drafted if kind == "observe"} <= set(keys), drafted
-    assert sum(b is not None for b in replays) > len(keys)  # graphs replayed after their capture
-    assert engine.stats.graph_steps == sum(b is not None for b in replays)
+    keys = list(engine.runner.graphs)
+    # each verify bucket: its two passes (the drafter's proposals inside the first, its observation the second)
+    assert keys and all(k.next_n == n + 1 for k in keys) and len(captured) == 2 * len(keys)
+    graphs = [r.graph for r in replays if r.graph is not None]
+    assert len(graphs) > len(keys) and engine.stats.graph_steps == len(graphs)  # graphs replayed after their capture
     assert engine.stats.spec.verify_steps > 0
 
 
@@ -231,40 +229,44 @@ def test_warmup_captures_the_verify_buckets_and_steps_only_replay(tiny, monkeypa
                     drafter=_oracle_drafter(PROMPTS, reference, n))
     captured = _emulated_graphs(engine.runner, monkeypatch)
     report = engine.warmup(progress=False)
-    # the pool's 256 tokens: one context bucket; batch buckets 1 .. 16 (16 blocks), at next_n = 3 only
+    # the pool's 256 tokens: one context bucket; batch buckets 1 .. 16 (16 blocks), at next_n = 3 only; two
+    # graphs a bucket
     assert set(engine.runner.graphs) == {Bucket(b, 256, n + 1) for b in (1, 2, 4, 8, 16)}
-    assert report["graphs_captured"] == len(captured) == 5
+    assert report["graphs_captured"] == len(captured) == 10
     spec = engine.runner._padding_plan(1, 256, n + 1).spec
     assert engine.runner.graphs[Bucket(1, 256, n + 1)].spec == spec
     assert engine.generate(PROMPTS[:1], NEW) == reference[:1]
-    assert len(captured) == 5  # nothing captured after the warm-up
+    assert len(captured) == 10  # nothing captured after the warm-up
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["captured-on-use", "after-warmup"])
 def test_replayed_mtp_passes_draft_what_the_eager_passes_draft(tiny, monkeypatch, warm):
-    """The MTP drafter's observation and chained proposal by (emulated) graph replay propose the drafts of
-    its eager passes: the same acceptance, draft by draft, and the same tokens; after a warm-up nothing
-    more is captured."""
+    """The MTP drafter's chained proposals and observation inside the (emulated) verify graphs propose the
+    drafts of its eager passes: the same acceptance, draft by draft, and the same tokens; after a warm-up
+    nothing more is captured."""
     model, reference = tiny
     n = 3  # two chained proposals a step
+    finish = spec_step.finish
 
     def run(graphs: bool):
         engine = Engine(model, num_blocks=64, max_batch_tokens=64, speculative_tokens=n)
         captured = _emulated_graphs(engine.runner, monkeypatch) if graphs else []
         if graphs and warm:
             engine.warmup(progress=False)
-        before, drafts = len(captured), []
-        propose = engine.drafter.propose
-        monkeypatch.setattr(engine.drafter, "propose", lambda runner, out: drafts.append(
-            propose(runner, out)) or drafts[-1])
+        before, drafts, replayed = len(captured), [], []
+
+        def recording(runner, result):  # each step's drafts of its sampled requests, as the step proposed them
+            drafts.append(result.drafts[:len(result.step.sampled)].tolist())
+            replayed.append(result.graph is not None)
+            return finish(runner, result)
+        monkeypatch.setattr(spec_step, "finish", recording)
         tokens = engine.generate(PROMPTS, NEW)
-        return tokens, [d.tolist() for d in drafts], engine, len(captured) - before
+        return tokens, drafts, replayed, len(captured) - before
 
     eager_tokens, eager_drafts, _, _ = run(False)
-    tokens, drafts, engine, captured_after = run(True)
+    tokens, drafts, replayed, captured_after = run(True)
     assert tokens == eager_tokens == reference
     assert sum(len(d) for d in drafts) > 0 and drafts == eager_drafts, (drafts, eager_drafts)
-    kinds = {kind for kind, _ in engine.drafter.graphs}
-    assert kinds == {"observe", "propose"}, engine.drafter.graphs
+    assert sum(replayed) > 2, replayed
     if warm:
         assert captured_after == 0, f"{captured_after} graphs captured after the warm-up"

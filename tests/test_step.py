@@ -16,6 +16,7 @@ import dsa.indexer.lightning
 import dsa.model.attention
 import dsa.model.plan
 from dsa import Engine
+from dsa.engine import spec_step
 from dsa.engine.drafter import ScriptedDrafter
 from dsa.indexer import LightningIndexer
 from tests.model_utils import prompt, tiny_model
@@ -64,11 +65,13 @@ def test_a_step_makes_no_host_round_trip(model, kind, monkeypatch):
             "mixed": lambda q: q[:3] == [1, 1, 1] and q[3] > 1, "verify": lambda q: q == [3, 3, 3],
             "verify-mixed": lambda q: q[:3] == [3, 3, 3] and q[3] > 3}[kind](batch.num_rows), batch.num_rows
     run = engine.runner.run
-    if kind.startswith("verify"):  # the target step of a speculating engine; the drafts proposed before it
+    if kind.startswith("verify"):  # a speculating engine's step: the drafts, the target pass, the acceptance
         engine.runner.batch.apply(batch)
-        drafts = engine.drafter.propose(engine.runner, batch)
+
         def run(out):
-            return engine.runner.run_verify(out, drafts, hidden=True)
+            result = spec_step.run(engine.runner, out)
+            spec_step.finish(engine.runner, result)  # the drafter's pass over the rows
+            return result
     inside_op = [0]
     originals = {name: getattr(torch.Tensor, name) for name in GUARDED}
 

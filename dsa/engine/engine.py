@@ -180,9 +180,10 @@ class Engine:
         namespace = repr((c, str(model.dtype)))  # what changes a block's content besides its tokens
         self.scheduler = Scheduler(num_blocks, c.block_size, max_batch_tokens, max_num_seqs=max_num_seqs,
                                    prefix_caching=prefix_caching, namespace=namespace, speculative_tokens=n)
-        self.runner = ModelRunner(model, num_blocks, cuda_graphs, max_num_seqs=max_num_seqs,
-                                  max_model_len=self.max_model_len, mtp_caches=mtp_caches, speculative_tokens=n)
         self.drafter = (drafter or MTPDrafter(model, n, max_num_seqs)) if n else None
+        self.runner = ModelRunner(model, num_blocks, cuda_graphs, max_num_seqs=max_num_seqs,
+                                  max_model_len=self.max_model_len, mtp_caches=mtp_caches, speculative_tokens=n,
+                                  drafter=self.drafter)
         self.sampler = Sampler(c.vocab_size, model.device)
         self.tokenizer = tokenizer
         self.lock = threading.RLock()
@@ -269,8 +270,6 @@ class Engine:
             max_context = min(self.max_model_len, self.capacity_tokens)
             rows = min(self.max_batch_tokens, self.num_blocks, self.scheduler.max_num_seqs)
             report = self.runner.warmup(self.max_batch_tokens, max_context, max_decode_rows=rows, progress=progress)
-            if self.drafter is not None:  # its passes' graphs, beside the verify graphs
-                report["drafter_graphs"] = self.drafter.warmup(self.runner)
             logits = torch.zeros(2, self.config.vocab_size, device=self.model.device)
             for params in ([SamplingParams(temperature=0)] * 2,
                            [SamplingParams(temperature=0.7, top_p=0.9, top_k=5, logprobs=2), SamplingParams()]):

@@ -13,13 +13,13 @@ still being sampled by the step before on the device, and replays; the logits of
 come back. Replay gives bitwise the logits of the eager path run at the same padded shapes.
 Models with MoE layers run eagerly (their expert dispatch reads routing decisions on the host).
 
-A speculating runner (``speculative_tokens = N``) runs its steps with :meth:`ModelRunner.run_verify`:
-the decode path with ``next_n = N + 1`` rows per request (:mod:`dsa.model.plan`: a request's last
-token and its drafts, padded in front to N + 1 rows; the paged indexer logits score every key once
-for all of them, top-k per row, sparse MLA over the rows). A verify step whose every request decodes
-replays the graph of its ``(batch bucket, context bucket, next_n)`` (:class:`~dsa.model.route.Bucket`)
-like a decode step, the rows whose logits come back packed with the plan; a step with prefill chunks
-runs eagerly, its decode requests on the same decode path.
+A speculating runner (``speculative_tokens = N``) runs its steps through :mod:`dsa.engine.spec_step`:
+the drafter's proposals, the decode path with ``next_n = N + 1`` rows per request (:mod:`dsa.model.plan`:
+a request's last token and its drafts, padded in front to N + 1 rows; the paged indexer logits score every
+key once for all of them, top-k per row, sparse MLA over the rows), the greedy acceptance and the drafter's
+observation, from one upload. A verify step whose every request decodes replays the two graphs of its
+``(batch bucket, context bucket, next_n)`` (:class:`~dsa.model.route.Bucket`, ``graphs``' key); a step with
+prefill chunks runs the same ops eagerly, its decode requests on the same decode path.
 """
 import time
 from dataclasses import dataclass
@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dsa.engine import spec_step
 from dsa.engine.input_batch import InputBatch
 from dsa.engine.sampling import SamplingBatch
-from dsa.engine.staging import MAX_SLOTS, PinnedBuffers
+from dsa.engine.staging import PinnedBuffers
 from dsa.kernels.common import cdiv, check_int
 from dsa.kernels.topk import warm_topk_slots
 from dsa.model.layers import MoE
@@ -49,46 +50,21 @@ class StepResult:
 
 
 @dataclass
-class VerifyResult:
-    """A speculating step's target side (:meth:`ModelRunner.run_verify`), in the plan's rows ``T'``
-    (each decode request's N + 1 rows, padded in front; a graph bucket's padding requests after the
-    real ones). Replayed tensors are views of the graph's outputs: read them before the next step."""
-    logits: torch.Tensor  # [S, N + 1, vocab] fp32: each sampled request's rows, its last token's first
-    hidden: torch.Tensor | None  # [T', hidden] every row's hidden state after the final norm (a drafter reads it)
-    host: HostPlan  # the step's packed plan (the MTP module's first pass runs on the same rows: ``plan``)
-    buf: torch.Tensor  # [host.packer.size] int32, the packed plan on the device
-    ids: torch.Tensor  # [T'] int32 the rows' input ids on the device (drafts read in)
-    rows: np.ndarray  # [B] the requests' rows of the input batch
-    base: np.ndarray  # [S] the plan row of each sampled request's last token (its drafts follow it)
-    last: np.ndarray  # [B] the plan row of each request's last row
-    paths: dict  # rows served per path
-    workspace_bytes: int
-    graph: bool  # replayed from a CUDA graph
-    derived: BatchPlan | None = None  # the device plan, once derived
-
-    @property
-    def plan(self) -> BatchPlan:
-        """The step's device plan (a replayed step's derived from the graph's buffer on first use)."""
-        if self.derived is None:
-            self.derived = self.host.derive(self.buf)
-        return self.derived
-
-
-@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     buf: torch.Tensor  # the int32 plan buffer the graph reads
     spec: dict  # the plan layout it was captured with
-    logits: torch.Tensor  # [rows bucket * next_n, vocab] fp32, written by each replay
-    hidden: torch.Tensor | None  # [rows bucket * next_n, hidden] (verify graphs: the drafter reads it)
+    logits: torch.Tensor  # [rows bucket, vocab] fp32, written by each replay
 
 
 class ModelRunner:
     """Owns an engine's caches; plans each step and runs it (eagerly, or by graph replay)."""
 
     def __init__(self, model, num_blocks: int, cuda_graphs: bool | None = None, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, mtp_caches: bool = False, speculative_tokens: int = 0):
+                 max_model_len: int | None = None, mtp_caches: bool = False, speculative_tokens: int = 0,
+                 drafter=None):
         self.model = model
+        self.drafter = drafter  # a speculating runner's (dsa.engine.drafter): its passes run inside the step
         self.next_n = check_int("speculative_tokens", speculative_tokens, minimum=0) + 1  # rows per decode request
         self.caches = model.allocate_caches(num_blocks, mtp=True) if mtp_caches else model.allocate_caches(num_blocks)
         possible = model.device.type == "cuda" and not any(isinstance(m, MoE) for m in model.modules())
@@ -96,7 +72,7 @@ class ModelRunner:
             raise ValueError("cuda_graphs: needs a model on a CUDA device without MoE layers (MoE dispatch reads "
                              f"routing on the host); this model is on {model.device}")
         self.use_graphs = possible if cuda_graphs is None else bool(cuda_graphs)
-        self.graphs: dict = {}  # Bucket (rows bucket, context bucket, next_n) -> _Graph
+        self.graphs: dict = {}  # Bucket (rows bucket, context bucket, next_n) -> _Graph (spec_step.SpecGraph: N > 0)
         # the row counts the eager steps' GEMMs ran at (route.gemm_rows): cuBLASLt plans each once per weight
         # shape and keeps it in its heuristics cache (host memory); at most max_batch_tokens / GEMM_ROW_ALIGN
         self.gemm_row_counts: set = set()
@@ -106,10 +82,9 @@ class ModelRunner:
         longest = c.max_position_embeddings if max_model_len is None else max_model_len  # a request's tokens
         self.batch = InputBatch(max_num_seqs, min(longest, num_blocks * c.block_size), cdiv(longest, c.block_size),
                                 c.vocab_size)
-        # each step's packed plan, on its way up (a speculating step's drafter packs N - 1 more)
-        self.staging = PinnedBuffers(model.device, torch.int32, max_slots=MAX_SLOTS + self.next_n)
-        # a speculating step's small index and parameter arrays (drafter, rejection sampler), on their way up:
-        # ~12 copies a step, each buffer free again once the step's tokens are read
+        # each step's packed plan (a speculating step's: with its drafter's parts and index arrays), on its way up
+        self.staging = PinnedBuffers(model.device, torch.int32)
+        # a speculating step's rejection sampler parameters (a step with a sampled request: 6 copies), on their way up
         self.uploads = {np.dtype(np.int64): PinnedBuffers(model.device, torch.int64, max_slots=32),
                         np.dtype(np.float32): PinnedBuffers(model.device, torch.float32, max_slots=8)}
 
@@ -133,14 +108,13 @@ class ModelRunner:
         width = max(batch.num_blocks[rows].max(initial=1), 1)
         host = HostPlan.pack(q, c, batch.block_table[rows, :width], self.model.config.block_size, self.model.device,
                              options=self.plan_options, input_ids=ids, input_src=src, graphs=self.use_graphs)
-        logits, _, _, graph = self._launch(host, None if src is None else previous)
+        logits, graph = self._launch(host, None if src is None else previous)
         return StepResult(logits[:len(q)], sampling, host.route.rows, host.route.workspace_bytes, graph)
 
     def _launch(self, host: HostPlan, pending: torch.Tensor | None) -> tuple:
-        """Run a packed step: replay its bucket's graph (captured on first use) or run it eagerly;
-        ids still pending (``src >= 0``) are read from ``pending`` on the device first. Returns
-        ``(logits [R, vocab], hidden [T', hidden] or None, the device buffer, replayed)``: a verify
-        step's (``next_n > 1``) logits are its ``plan.logits_rows`` and it returns the hidden states."""
+        """Run a packed decode or prefill step: replay its bucket's graph (captured on first use) or run it
+        eagerly; ids still pending (``src >= 0``) are read from ``pending`` on the device first. Returns
+        ``(logits [R, vocab], replayed)``."""
         if host.bucket is not None:
             g = self.graphs.get(host.bucket) or self._capture(host)
             if host.spec != g.spec:
@@ -149,13 +123,13 @@ class ModelRunner:
             if pending is not None:
                 _read_pending(host, g.buf, pending)
             g.graph.replay()
-            return g.logits, g.hidden, g.buf, True
+            return g.logits, True
         buf = host.upload(staging=self.staging)
         if pending is not None:
             _read_pending(host, buf, pending)
         self.gemm_row_counts.add(gemm_rows(int(host.query_lens.sum()), host.route.decode_only))
-        logits, hidden = self._forward(host.derive(buf), host.next_n > 1)
-        return logits, hidden, buf, False
+        logits, _ = self._forward(host.derive(buf), False)
+        return logits, False
 
     def _forward(self, plan: BatchPlan, verify: bool) -> tuple:
         """``(logits, hidden or None)`` of one step: a decode step's every row (its requests' last
@@ -172,50 +146,15 @@ class ModelRunner:
         dtype = np.dtype(np.float32 if a.dtype.kind == "f" else np.int64)
         return self.uploads[dtype].copy_to(np.array(a, dtype))
 
-    def run_verify(self, out, drafts: torch.Tensor | None, hidden: bool = False) -> "VerifyResult":
-        """Run a step of a speculating engine (its deltas already applied: :meth:`InputBatch.apply`):
-        request ``i`` computes its rows as in :meth:`run`, its last token and then ``out.num_drafts[i]``
-        draft rows, whose ids are ``drafts [S, N]`` (row ``s`` for the ``s``-th sampled request; -1 past
-        its drafts; read on the device). Every request of at most N + 1 rows takes the decode path
-        with ``next_n = N + 1`` rows (module docstring), by graph replay when every request does; no
-        host sync. The logits come back for every sampled request's ``N + 1`` rows (rows past its
-        drafts repeat its last one)."""
-        batch, p, n = self.batch, self.model.config.block_size, self.next_n - 1
-        if not n:
-            raise RuntimeError("run_verify: this runner was built with speculative_tokens = 0")
-        rows = batch.rows(out.rids)
-        q, c, k = np.asarray(out.num_rows), np.asarray(out.computed), np.asarray(out.num_drafts, np.int64)
-        ids, src = batch.input_ids(rows, q, c, False)
-        first = np.cumsum(q) - q
-        sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
-        base = first[sampled] + q[sampled] - 1 - k[sampled]  # the row of each sampled request's last token
-        if k.any():
-            src = np.full(len(ids), -1) if src is None else src
-            for s_i, req in enumerate(sampled.tolist()):
-                src[base[s_i] + 1:base[s_i] + 1 + k[req]] = s_i * n + np.arange(k[req])
-        batch.expect(rows[sampled], (c + q - k)[sampled], sampled)  # each one's sampled place
-        offsets = np.minimum(np.arange(n + 1)[None, :], k[sampled][:, None])  # [S, N + 1]
-        width = max(batch.num_blocks[rows].max(initial=1), 1)
-        host = HostPlan.pack(q, c, batch.block_table[rows, :width], p, self.model.device, options=self.plan_options,
-                             input_ids=ids, input_src=src, graphs=self.use_graphs, next_n=n + 1,
-                             logits_rows=(base[:, None] + offsets).reshape(-1))
-        pending = None if src is None else drafts.reshape(-1).clamp_min(0)  # (-1: no draft; never accepted)
-        logits, h, buf, graph = self._launch(host, pending)
-        logits = logits[:len(sampled) * (n + 1)].view(len(sampled), n + 1, logits.shape[-1])
-        return VerifyResult(logits, h if hidden else None, host, buf, host.view(buf, "ids"), rows,
-                            host.row_index[base], host.row_index[first + q - 1], host.route.rows,
-                            host.route.workspace_bytes, graph)
-
     def _capture(self, host: HostPlan) -> _Graph:
-        """Capture the model step for one bucket. The warm-up and the capture run this step's own
+        """Capture the decode step of one bucket. The warm-up and the capture run this step's own
         rows (writing the same cache rows the replay writes again)."""
-        verify = host.next_n > 1
         buf = torch.zeros(host.packer.size, dtype=torch.int32, device=self.model.device)
         host.upload(buf)
         if "ids" in host.spec:  # an id still pending (PENDING = -1) is read in before each replay, not here
             host.view(buf, "ids").clamp_(min=0)
-        graph, (logits, hidden) = self.record(lambda: self._graph_step(host.derive(buf), verify))
-        self.graphs[host.bucket] = g = _Graph(graph, buf, host.spec, logits, hidden)
+        graph, (logits,) = self.record(lambda: (self.model.step(host.derive(buf), self.caches),))
+        self.graphs[host.bucket] = g = _Graph(graph, buf, host.spec, logits)
         return g
 
     def record(self, step) -> tuple:
@@ -233,13 +172,6 @@ class ModelRunner:
             outputs = step()
         return graph, outputs
 
-    def _graph_step(self, plan: BatchPlan, verify: bool) -> tuple:
-        """What a graph captures: a decode step's logits of every row (each request's one), or a
-        verify step's :meth:`_forward`."""
-        if verify:
-            return self._forward(plan, True)
-        return self.model.step(plan, self.caches), None
-
     def context_buckets(self, max_context: int) -> list:
         """Every decode context bucket up to ``max_context`` tokens."""
         return context_buckets(max_context, self.model.config.block_size)
@@ -251,8 +183,8 @@ class ModelRunner:
         finish tiles (:func:`~dsa.kernels.topk.warm_topk_slots`), and decode steps
         at every batch and context bucket up to ``max_decode_rows`` x ``max_context`` (with graphs:
         captured here, padding rows only); a speculating runner's at ``next_n = N + 1`` too (its
-        verify steps: the graphs are these; the decode steps of one row stay eager, for the
-        drafter's kernels). Every row writes into scratch blocks or nowhere: call it before any
+        verify steps: two graphs a bucket, :func:`~dsa.engine.spec_step.capture`, with the drafter's
+        passes inside; the decode steps of one row stay eager, for the eager steps' kernels). Every row writes into scratch blocks or nowhere: call it before any
         request holds blocks. Returns what it did (steps, graphs, seconds, bytes)."""
         from tqdm import tqdm
 
@@ -291,7 +223,12 @@ class ModelRunner:
         graphs, before = 0, _reserved(self.model.device)
         for b, ctx, n in decode:
             if self.use_graphs and n == self.next_n:
-                if Bucket(b, ctx, n) not in self.graphs:
+                if Bucket(b, ctx, n) in self.graphs:
+                    pass
+                elif n > 1:  # a verify bucket: the two passes of a speculating step
+                    spec_step.capture(self, Bucket(b, ctx, n))
+                    graphs += 2
+                else:
                     self._capture(self._padding_plan(b, ctx, n))
                     graphs += 1
             else:  # every row at the bucket's last positions, in scratch block 0

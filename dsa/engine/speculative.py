@@ -1,23 +1,21 @@
 """Speculative decoding in the engine: one step drafts, verifies and accepts (vLLM v1's design, scaled down).
 
 The scheduler gives each decode request ``1 + k`` rows (its last token, then ``k <= speculative_tokens``
-draft rows, fewer near its length limit) and blocks for all of them; the drafter
-(:mod:`dsa.engine.drafter`) proposes the draft ids on the device; the runner verifies every row of the
-step in one target pass (:meth:`~dsa.engine.runner.ModelRunner.run_verify`: the decode path with
-``next_n = N + 1`` rows a request, its ``k + 1`` rows padded in front, causal: paged indexer logits
-with N + 1 rows, top-k per row, sparse MLA over the rows; a CUDA graph per batch and context bucket
-and ``next_n`` when every request decodes);
-the rejection sampler (:mod:`dsa.engine.rejection`) accepts the longest agreeing prefix (greedy) or by
-rejection sampling (sampled), and the drafter's ``observe`` runs the MTP module over the rows. The host
-then reads the tokens once (the step's one sync), applies the stop rules token by token (EOS, stop
-tokens, stop strings, ``max_tokens``: a stop inside the accepted drafts drops the tokens after it), and
-the scheduler advances each request by its accepted rows. Rejected rows stay in the caches past the
-request's ``computed`` length: no row reads them (attention is causal) and the next step overwrites
-them; no prefix-cache name covers them.
+draft rows, fewer near its length limit) and blocks for all of them. The step runs on the device from one
+upload (:mod:`dsa.engine.spec_step`): the drafter (:mod:`dsa.engine.drafter`) proposes the draft ids, the
+target verifies every row of the step in one pass (the decode path with ``next_n = N + 1`` rows a request,
+its ``k + 1`` rows padded in front, causal: paged indexer logits with N + 1 rows, top-k per row, sparse MLA
+over the rows) and the longest agreeing prefix is accepted (greedy); then the drafter observes the rows
+(the MTP module over them). When every request decodes the step replays the two CUDA graphs of its batch
+and context bucket and ``next_n``. A step with a sampled request runs the rejection sampler
+(:mod:`dsa.engine.rejection`) eagerly between the two passes. The host then reads the tokens once (the
+step's one sync), applies the stop rules token by token (EOS, stop tokens, stop strings, ``max_tokens``: a
+stop inside the accepted drafts drops the tokens after it), and the scheduler advances each request by its
+accepted rows. Rejected rows stay in the caches past the request's ``computed`` length: no row reads them
+(attention is causal) and the next step overwrites them; no prefix-cache name covers them.
 
-Speculating engines schedule without overlap (each step is finished before the next is scheduled); when
-the verify step replays a graph, so do the MTP drafter's passes (:class:`~dsa.engine.drafter.MTPDrafter`);
-the rejection sampler runs eagerly; ``speculative_tokens=0`` is the plain engine, unchanged.
+Speculating engines schedule without overlap (each step is finished before the next is scheduled);
+``speculative_tokens=0`` is the plain engine, unchanged.
 """
 import time
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dsa.engine import spec_step
 from dsa.engine.rejection import rejection_sample
 from dsa.engine.sampling import PendingSample, position_keys
 
@@ -41,8 +40,8 @@ class SpecStats:
     by_position: list = field(default_factory=list)  # [N]: drafts accepted at draft position j (0-based)
     proposed_by_position: list = field(default_factory=list)  # [N]: drafts proposed at position j
     accepted_lengths: list = field(default_factory=list)  # [N + 1]: request-steps that accepted 0 .. N drafts
-    draft_s: float = 0.0  # seconds drafting (proposals and the MTP pass after the target)
-    verify_s: float = 0.0  # seconds in the target pass and the rejection sampler
+    draft_s: float = 0.0  # seconds in the drafter's pass after the target (the MTP module over the verify rows)
+    verify_s: float = 0.0  # seconds proposing (inside the verify pass), verifying and accepting
 
     @property
     def acceptance(self) -> float:
@@ -95,12 +94,12 @@ class VerifiedStep:
     num_drafts: np.ndarray  # [S] drafts each sampled request carried
 
 
-def rejection_args(runner, out, result, n: int, vocab_hash: torch.Tensor) -> dict:
+def rejection_args(runner, out, step, n: int, vocab_hash: torch.Tensor) -> dict:
     """The rejection sampler's per-request parameters and per-row noise keys (the row ``j`` of a
     request samples the token at its sampled index + j); none when every request is greedy (the argmax
     path reads none: no upload)."""
     req = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
-    rows, sr = result.rows[req], runner.batch.sampling
+    rows, sr = step.rows[req], runner.batch.sampling
     if sr.greedy[rows].all():
         return dict(all_greedy=True)
     index = np.fromiter((x.index for x in out.sampled), np.int64, len(out.sampled))
@@ -112,26 +111,28 @@ def rejection_args(runner, out, result, n: int, vocab_hash: torch.Tensor) -> dic
 
 
 def launch(engine, out) -> VerifiedStep:
-    """Draft, verify, accept, observe: one step on the device, its tokens on their way to the host."""
-    runner, drafter, n = engine.runner, engine.drafter, engine.speculative_tokens
+    """Draft, verify, accept, observe: one step on the device (:mod:`dsa.engine.spec_step`: one upload, two
+    passes or their graphs), its tokens on their way to the host."""
+    runner, n = engine.runner, engine.speculative_tokens
     clock = _Clock(engine.model.device)
     runner.batch.apply(out)
     clock.mark()
-    drafts = drafter.propose(runner, out)
+    result = spec_step.run(runner, out)
+    args = rejection_args(runner, out, result.step, n, engine.sampler.vocab_hash)
+    if not args.get("all_greedy"):  # a sampled request: the rejection sampler's tokens replace the greedy ones
+        s = len(out.sampled)
+        result.accept(*rejection_sample(result.logits[:s], result.drafts[:s], **args))
     clock.mark()
-    result = runner.run_verify(out, drafts, hidden=drafter.needs_hidden)
-    tokens, accepted = rejection_sample(result.logits, drafts, **rejection_args(runner, out, result, n,
-                                                                                engine.sampler.vocab_hash))
-    clock.mark()
-    drafter.observe(runner, out, result, tokens, accepted)
+    packed = spec_step.finish(runner, result)
     clock.mark()
     s = engine._stats
-    for path, rows in result.paths.items():
+    host = result.step.host
+    for path, rows in host.route.rows.items():
         s.rows[path] += rows
-    s.peak_workspace_bytes = max(s.peak_workspace_bytes, result.workspace_bytes)
-    s.graph_steps += result.graph
-    packed = torch.cat((tokens, accepted[:, None]), dim=1) if len(out.sampled) else torch.zeros(0, n + 2)
-    packed = PendingSample(tokens, packed.double(), None, None, engine.sampler.staging)  # read when the step finishes
+    s.peak_workspace_bytes = max(s.peak_workspace_bytes, host.route.workspace_bytes)
+    s.graph_steps += result.graph is not None
+    packed = packed if len(out.sampled) else torch.zeros(0, n + 2, dtype=torch.float64)
+    packed = PendingSample(packed, packed, None, None, engine.sampler.staging)  # read when the step finishes
     k = np.asarray(out.num_drafts, np.int64)[[x.row for x in out.sampled]] if out.sampled else np.zeros(0, np.int64)
     return VerifiedStep(out.sampled, packed, clock, k)
 
@@ -142,8 +143,8 @@ def count(stats: SpecStats, step: VerifiedStep, accepted: np.ndarray, emitted: l
     if not k.any():  # a prefill step, or one whose requests could take no draft: not a verify step's cost
         return
     spans = step.clock.spans()
-    stats.draft_s += spans[0] + spans[2]
-    stats.verify_s += spans[1]
+    stats.verify_s += spans[0]
+    stats.draft_s += spans[1]
     stats.verify_steps += 1
     for kk, a, e in zip(k.tolist(), accepted.tolist(), emitted):
         if not kk:

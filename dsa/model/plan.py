@@ -396,3 +396,39 @@ def _pack(lay: _Layout, tables, ids, src, logits_rows, routed: Route) -> tuple[d
     if routed.sparse:
         spec["sparse_rows"] = pack.add(routed.sparse_rows)
     return spec, pack
+
+
+class PackedStep:
+    """Several packed plans and int32 arrays in one buffer, uploaded in one copy (a speculating step's
+    verify plan, its drafter's chained proposal plans and the small index arrays its device passes read).
+    ``layout`` is the same for every step of one CUDA graph bucket (each part's spec and shape)."""
+
+    def __init__(self, plans: dict, arrays: dict):
+        self.plans, self.offsets, self.packer = plans, {}, _Packer()
+        for name, host in plans.items():
+            self.offsets[name] = (self.packer.size, host.packer.size)
+            self.packer.parts += host.packer.parts
+            self.packer.size += host.packer.size
+        for name, array in arrays.items():
+            a = np.asarray(array)
+            self.offsets[name] = self.packer.add(a, a.shape)
+        self.layout = ({name: host.spec for name, host in plans.items()},
+                       {name: shape for name, (_, shape) in self.offsets.items() if name not in plans})
+
+    @property
+    def size(self) -> int:
+        return self.packer.size
+
+    def upload(self, device, out: torch.Tensor | None = None, staging=None) -> torch.Tensor:
+        """Every part on the device: one non-blocking copy (into ``out`` when given)."""
+        return self.packer.upload(torch.device(device), out, staging)
+
+    def part(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """A plan's own buffer (for its ``derive`` and ``view``) or an array, int32, of the uploaded ``buf``."""
+        offset, shape = self.offsets[name]
+        if name in self.plans:
+            return buf[offset:offset + shape]
+        return _view(buf, (offset, shape))
+
+    def derive(self, buf: torch.Tensor, name: str) -> BatchPlan:
+        return self.plans[name].derive(self.part(buf, name))

@@ -1,0 +1,185 @@
+"""A speculating step on the device (issue #39): two device passes over one uploaded buffer, replayed as two
+CUDA graphs of the step's verify bucket when every request decodes.
+
+Host (:func:`pack`): the verify plan (each request's last token, then ``out.num_drafts`` draft rows whose ids
+the device reads from the drafts; :meth:`~dsa.model.plan.HostPlan.pack` at ``next_n = N + 1``), the drafter's
+parts (``drafter.prepare``: the MTP drafter's chained proposal plans and state rows, the scripted drafter's
+drafts) and the step's index arrays, in one :class:`~dsa.model.plan.PackedStep`: one upload. The step has
+``S'`` slots: its ``S`` sampled requests (in a graph bucket, ``rows`` slots: padding slots after them, whose
+indices point at scratch rows).
+
+Device, the same ops eagerly or captured:
+
+1. :func:`draft_verify`: the drafts ``[S', N]`` (-1 past each slot's), read into the verify rows' ids; the
+   target's forward; the greedy acceptance (the longest prefix of drafts equal to the argmax);
+2. a step with a sampled request runs the rejection sampler eagerly between the two passes, and its tokens
+   and accepted counts replace the greedy ones (:meth:`SpecResult.accept`);
+3. :func:`observe`: the drafter's pass over the verify rows (the MTP module: its caches, each request's next
+   first draft and hidden state), then the tokens and accepted counts packed for the step's one read.
+
+A graph is captured on the bucket's padding step (every row writes nowhere, every index a scratch row), at
+the warm-up or on first use, so a capture changes no request's state.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dsa.engine.drafter import Slots, pad_to
+from dsa.engine.rejection import rejection_sample
+from dsa.model.plan import BatchPlan, Bucket, HostPlan, PackedStep
+
+
+@dataclass
+class SpecStep:
+    """A speculating step on the host, packed for its one upload (module docstring)."""
+    packed: PackedStep  # "verify", the drafter's plans; "num_drafts", "base", "last", "after", the drafter's arrays
+    sampled: np.ndarray  # [S] the step index of each sampled request
+    rows: np.ndarray  # [B] the requests' rows of the input batch
+    slots: int  # S': S, or the graph bucket's rows
+
+    @property
+    def host(self) -> HostPlan:
+        return self.packed.plans["verify"]
+
+    @property
+    def bucket(self) -> Bucket | None:
+        return self.host.bucket
+
+
+@dataclass
+class SpecGraph:
+    """The two captured passes of one verify bucket, the buffer they read and the outputs they rewrite."""
+    draft_verify: object  # torch.cuda.CUDAGraph (or the tests' emulation)
+    observe: object
+    buf: torch.Tensor  # [packed.size] int32
+    layout: tuple  # PackedStep.layout of the bucket
+    spec: dict  # the verify plan's layout
+    outputs: tuple  # draft_verify's: drafts, logits, hidden, tokens, accepted
+    packed: torch.Tensor  # observe's: [S', N + 2] float64
+
+
+@dataclass
+class SpecResult:
+    """A launched step's device side (views of a graph's outputs when replayed: read before the next step)."""
+    step: SpecStep
+    buf: torch.Tensor
+    drafts: torch.Tensor  # [S', N] int64, -1 past a slot's drafts
+    logits: torch.Tensor  # [S', N + 1, vocab] fp32: each slot's rows, its last token's first
+    hidden: torch.Tensor  # [T', hidden]: every verify row's hidden state after the final norm
+    tokens: torch.Tensor  # [S', N + 1] int64: the accepted drafts, then one more token, then -1
+    accepted: torch.Tensor  # [S'] int64
+    graph: SpecGraph | None  # the graphs replayed (None: eager)
+
+    def accept(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The rejection sampler's tokens and counts of the first ``S`` slots, in place of the greedy ones."""
+        self.tokens[:tokens.shape[0]].copy_(tokens)
+        self.accepted[:accepted.shape[0]].copy_(accepted)
+
+
+def pack(runner, out) -> SpecStep:
+    """The host side of a step (its deltas already applied): request ``i`` computes ``out.num_rows[i]`` rows
+    from ``out.computed[i]``, its last ``out.num_drafts[i]`` the drafts of its sampled row."""
+    batch, n = runner.batch, runner.next_n - 1
+    rows = batch.rows(out.rids)
+    q, c, k = (np.asarray(a, np.int64) for a in (out.num_rows, out.computed, out.num_drafts))
+    ids, src = batch.input_ids(rows, q, c, False)
+    first = np.cumsum(q) - q
+    sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
+    base = first[sampled] + q[sampled] - 1 - k[sampled]  # the row of each sampled request's last token
+    if k.any():
+        src = np.full(len(ids), -1) if src is None else src
+        for s, i in enumerate(sampled.tolist()):
+            src[base[s] + 1:base[s] + 1 + k[i]] = s * n + np.arange(k[i])
+    batch.expect(rows[sampled], (c + q - k)[sampled], sampled)  # each one's sampled place
+    after = batch.token_ids[rows, np.minimum(c + q, batch.token_ids.shape[1] - 1)].clip(0)  # each one's next id
+    offsets = np.minimum(np.arange(n + 1)[None, :], k[sampled][:, None])  # [S, N + 1]
+    width = max(batch.num_blocks[rows].max(initial=1), 1)
+    host = HostPlan.pack(q, c, batch.block_table[rows, :width], runner.model.config.block_size, runner.model.device,
+                         options=runner.plan_options, input_ids=ids, input_src=src, graphs=runner.use_graphs,
+                         next_n=n + 1, logits_rows=(base[:, None] + offsets).reshape(-1))
+    slots = Slots(rows[sampled], c[sampled], k[sampled], len(sampled) if host.bucket is None else host.bucket.rows,
+                  host.bucket)
+    return _packed(runner, host, slots, sampled, rows, host.row_index[base], host.row_index[first + q - 1], after)
+
+
+def padding_step(runner, bucket: Bucket) -> SpecStep:
+    """A verify bucket's step of padding rows only: what its graphs are captured on."""
+    host = runner._padding_plan(bucket.rows, bucket.max_seq_len, bucket.next_n)
+    none = np.zeros(0, np.int64)
+    return _packed(runner, host, Slots(none, none, none, bucket.rows, bucket), none, none, none, none, none)
+
+
+def _packed(runner, host: HostPlan, slots: Slots, sampled, rows, base, last, after) -> SpecStep:
+    """The step's parts in one buffer; the plan's row count ``T'`` is the scratch row of its row indices."""
+    t = int(host.query_lens.sum())
+    reqs = len(rows) if host.bucket is None else host.bucket.rows
+    plans, arrays = runner.drafter.prepare(runner, slots)
+    packed = PackedStep({"verify": host, **plans},
+                        {"num_drafts": pad_to(slots.num_drafts, slots.size, 0), "base": pad_to(base, slots.size, t),
+                         "last": pad_to(last, reqs, t), "after": pad_to(after, reqs, 0), **arrays})
+    return SpecStep(packed, sampled, rows, slots.size)
+
+
+def draft_verify(runner, step: SpecStep, buf: torch.Tensor) -> tuple:
+    """The first pass: ``(drafts, logits, hidden, tokens, accepted)`` (:class:`SpecResult`), greedy."""
+    drafts = runner.drafter.draft(runner, step, buf)
+    verify = step.packed.part(buf, "verify")
+    if drafts.numel():  # (a step of no sampled request, always eager, has no draft to read)
+        ids, src = step.host.view(verify, "ids"), step.host.view(verify, "src").long()
+        ids.copy_(torch.where(src >= 0, drafts.reshape(-1).clamp_min(0)[src.clamp_min(0)].to(ids.dtype), ids))
+    logits, hidden = runner._forward(step.host.derive(verify), True)
+    logits = logits[:step.slots * runner.next_n].view(step.slots, runner.next_n, logits.shape[-1])
+    tokens, accepted = rejection_sample(logits, drafts, all_greedy=True)
+    return drafts, logits, hidden, tokens, accepted
+
+
+def observe(runner, step: SpecStep, buf: torch.Tensor, hidden, tokens, accepted) -> tuple:
+    """The second pass: the drafter's observation of the verify rows; ``(packed [S', N + 2] float64,)``, each
+    slot's tokens then its accepted count (float64: the staging dtype of the sampled tokens' read)."""
+    verify = step.packed.part(buf, "verify")
+    runner.drafter.observe(runner, step, buf, step.host.derive(verify), step.host.view(verify, "ids"), hidden,
+                           tokens, accepted)
+    return (torch.cat((tokens, accepted[:, None]), dim=1).double(),)
+
+
+def capture(runner, bucket: Bucket) -> SpecGraph:
+    """Capture a verify bucket's two passes on its padding step (into ``runner.graphs``)."""
+    step = padding_step(runner, bucket)
+    buf = torch.zeros(step.packed.size, dtype=torch.int32, device=runner.model.device)
+    step.packed.upload(runner.model.device, buf)
+    first, outputs = runner.record(lambda: draft_verify(runner, step, buf))
+    first.replay()  # a captured graph has not run: its outputs (the indices the second pass reads) hold nothing yet
+    second, (packed,) = runner.record(lambda: observe(runner, step, buf, *outputs[2:]))
+    g = runner.graphs[bucket] = SpecGraph(first, second, buf, step.packed.layout, step.host.spec, outputs, packed)
+    return g
+
+
+def run(runner, out) -> SpecResult:
+    """Pack a step, upload it once and run its first pass (by its bucket's graph when it has one)."""
+    step = pack(runner, out)
+    device = runner.model.device
+    if step.bucket is None:
+        buf = step.packed.upload(device, staging=runner.staging)
+        return SpecResult(step, buf, *draft_verify(runner, step, buf), None)
+    g = runner.graphs.get(step.bucket) or capture(runner, step.bucket)
+    if step.packed.layout != g.layout:
+        raise AssertionError("a verify graph bucket's step layout changed")
+    step.packed.upload(device, g.buf, runner.staging)
+    g.draft_verify.replay()
+    return SpecResult(step, g.buf, *g.outputs, g)
+
+
+def finish(runner, result: SpecResult) -> torch.Tensor:
+    """The second pass; returns the packed ``[S, N + 2]`` rows of the sampled requests (on the device)."""
+    if result.graph is not None:
+        result.graph.observe.replay()
+        packed = result.graph.packed
+    else:
+        (packed,) = observe(runner, result.step, result.buf, result.hidden, result.tokens, result.accepted)
+    return packed[:len(result.step.sampled)]
+
+
+def verify_plan(result: SpecResult) -> BatchPlan:
+    """The step's verify plan derived from its buffer (the tests' check of a replay against the eager forward)."""
+    return result.step.host.derive(result.step.packed.part(result.buf, "verify"))
