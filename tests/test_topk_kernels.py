@@ -10,7 +10,7 @@ import torch
 
 from dsa import kernels as K
 from dsa.kernels.slots import positions_to_slots_reference
-from dsa.kernels.topk import topk_indices_reference, topk_slots
+from dsa.kernels.topk import topk_indices_reference
 from dsa.kernels.topk.launch import topk_triton
 from dsa.kernels.topk.reference import order_key
 

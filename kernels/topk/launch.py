@@ -21,10 +21,10 @@ Keys: :func:`~.guess.key_of` of the fp32 bits, an int32 whose signed order is
           guess: data built against the sample), it lists the whole row and selects from it the
           same way: slower, equally exact.
 
-Wide logits (:func:`bounded`: 32 rows and more, rows of at least 4k tiles: 128K columns at k = 2048)
-replace the guess by the tile bound of :mod:`.bound`, two launches before the scan: ``lo`` is the k-th
-largest tile maximum (at least k columns reach it, and every column of the best k lies in a tile whose
-maximum reaches it), and the scan reads only the tiles listed as reaching ``lo``, ~2K of 16K at 1M
+Wide logits (:func:`bounded`: 32 rows and 16M logits and more, rows of at least 4k tiles: 128K columns at
+k = 2048) replace the guess by the tile bound of :mod:`.bound`, two launches before the scan: ``lo`` is the
+k-th largest tile maximum, its top 16 bits (at least k columns reach it, and every column of the best k
+lies in a tile whose maximum reaches it), and the scan reads only the tiles listed as reaching ``lo``, ~2K of 16K at 1M
 columns, instead of the whole row; place and finish are the same. The tiles are as narrow as the bound
 kernel's one step of tile maxima allows (:func:`bound_tile`: 16 columns to 256K, 32 to 512K, 64 to 1M),
 so the listed tiles hold ~k x tile columns.
