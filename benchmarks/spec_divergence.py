@@ -16,11 +16,9 @@ import sys
 
 import torch
 
-from dsa.bench.speculative import prompt_ids, set_acceptance, timed
+from dsa.bench.speculative import prompt_ids, set_acceptance, spec_model, timed
 from dsa.engine import Engine
 from dsa.kernels.common import cdiv
-from dsa.model import DSAModel
-from dsa.model.presets import BYTE_VOCAB, DEFAULT_CHECKPOINT, PRESETS
 
 CASES = (("default", 16253), ("demo-gpu", 4096), ("demo-gpu", 163709))  # the bench's longest contexts and a short one
 
@@ -32,10 +30,9 @@ def first_diff(a: list, b: list) -> int | None:
 
 
 def model_for(name: str):
-    if name == "default":
-        return DSAModel.from_pretrained(DEFAULT_CHECKPOINT, dtype=torch.bfloat16, device="cuda")
-    config = PRESETS[name]().replace(num_nextn_predict_layers=1, **BYTE_VOCAB)  # a random MTP module, as the bench
-    return DSAModel.random(config, seed=0, dtype=torch.bfloat16, device="cuda")
+    """The bench's model: the trained default, or a preset with a random MTP module (``spec_model``)."""
+    preset = None if name == "default" else name
+    return spec_model(argparse.Namespace(preset=preset, checkpoint=None), torch.device("cuda"))[0]
 
 
 def case(name: str, s: int, new: int) -> dict:

@@ -184,8 +184,9 @@ class ModelRunner:
         at every batch and context bucket up to ``max_decode_rows`` x ``max_context`` (with graphs:
         captured here, padding rows only); a speculating runner's at ``next_n = N + 1`` too (its
         verify steps: two graphs a bucket, :func:`~dsa.engine.spec_step.capture`, with the drafter's
-        passes inside; the decode steps of one row stay eager, for the eager steps' kernels). Every row writes into scratch blocks or nowhere: call it before any
-        request holds blocks. Returns what it did (steps, graphs, seconds, bytes)."""
+        passes inside; the decode steps of one row stay eager, for the eager steps' kernels). Every row
+        writes into scratch blocks or nowhere: call it before any request holds blocks. Returns what it
+        did (steps, graphs, seconds, bytes)."""
         from tqdm import tqdm
 
         c, p = self.model.config, self.model.config.block_size
@@ -223,12 +224,10 @@ class ModelRunner:
         graphs, before = 0, _reserved(self.model.device)
         for b, ctx, n in decode:
             if self.use_graphs and n == self.next_n:
-                if Bucket(b, ctx, n) in self.graphs:
-                    pass
-                elif n > 1:  # a verify bucket: the two passes of a speculating step
+                if n > 1 and Bucket(b, ctx, n) not in self.graphs:  # a verify bucket: a speculating step's two passes
                     spec_step.capture(self, Bucket(b, ctx, n))
                     graphs += 2
-                else:
+                elif Bucket(b, ctx, n) not in self.graphs:
                     self._capture(self._padding_plan(b, ctx, n))
                     graphs += 1
             else:  # every row at the bucket's last positions, in scratch block 0

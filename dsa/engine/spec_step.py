@@ -27,7 +27,7 @@ import torch
 
 from dsa.engine.drafter import Slots, pad_to
 from dsa.engine.rejection import rejection_sample
-from dsa.model.plan import BatchPlan, Bucket, HostPlan, PackedStep
+from dsa.model.plan import Bucket, HostPlan, PackedStep
 
 
 @dataclass
@@ -128,7 +128,7 @@ def draft_verify(runner, step: SpecStep, buf: torch.Tensor) -> tuple:
     if drafts.numel():  # (a step of no sampled request, always eager, has no draft to read)
         ids, src = step.host.view(verify, "ids"), step.host.view(verify, "src").long()
         ids.copy_(torch.where(src >= 0, drafts.reshape(-1).clamp_min(0)[src.clamp_min(0)].to(ids.dtype), ids))
-    logits, hidden = runner._forward(step.host.derive(verify), True)
+    logits, hidden = runner._forward(step.packed.derive(buf, "verify"), True)
     logits = logits[:step.slots * runner.next_n].view(step.slots, runner.next_n, logits.shape[-1])
     tokens, accepted = rejection_sample(logits, drafts, all_greedy=True)
     return drafts, logits, hidden, tokens, accepted
@@ -137,9 +137,8 @@ def draft_verify(runner, step: SpecStep, buf: torch.Tensor) -> tuple:
 def observe(runner, step: SpecStep, buf: torch.Tensor, hidden, tokens, accepted) -> tuple:
     """The second pass: the drafter's observation of the verify rows; ``(packed [S', N + 2] float64,)``, each
     slot's tokens then its accepted count (float64: the staging dtype of the sampled tokens' read)."""
-    verify = step.packed.part(buf, "verify")
-    runner.drafter.observe(runner, step, buf, step.host.derive(verify), step.host.view(verify, "ids"), hidden,
-                           tokens, accepted)
+    ids = step.host.view(step.packed.part(buf, "verify"), "ids")
+    runner.drafter.observe(runner, step, buf, step.packed.derive(buf, "verify"), ids, hidden, tokens, accepted)
     return (torch.cat((tokens, accepted[:, None]), dim=1).double(),)
 
 
@@ -179,7 +178,3 @@ def finish(runner, result: SpecResult) -> torch.Tensor:
         (packed,) = observe(runner, result.step, result.buf, result.hidden, result.tokens, result.accepted)
     return packed[:len(result.step.sampled)]
 
-
-def verify_plan(result: SpecResult) -> BatchPlan:
-    """The step's verify plan derived from its buffer (the tests' check of a replay against the eager forward)."""
-    return result.step.host.derive(result.step.packed.part(result.buf, "verify"))
