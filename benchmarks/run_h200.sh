@@ -20,6 +20,8 @@
 #   x: benchmarks/prefill_indexer_split.py (issue #38): one chunked ragged-logits call at 64K, 256K, 512K and 1M keys ($SPLIT_LENGTHS)
 #      split into the logits and the top-k's kernels, and their knobs, into $OUT/prefill-indexer-split.json, ~4 min
 #   r: the ragged-logits GPU tests (the Gluon kernel beside the portable one, up to 1M keys), ~1 min
+#   L: benchmarks/profile_long_decode.py (issue #38): a B = 1 decode step's device time at 128K, 512K and 1M keys
+#      (eager, graph replay, torch.profiler's kernels) on demo-gpu with random caches, into $OUT/profile-long-decode.json, ~3 min
 #   D: benchmarks/spec_divergence.py (issue #39): where speculating runs' greedy tokens leave the plain run's,
 #      per drafter, graphs and eager, into $OUT/spec-divergence.json, ~2 min
 # Each part is bounded by a timeout; bench output is appended to $OUT/bench.log.
@@ -48,6 +50,7 @@ spec() {  # name [bench engine flags]
 [[ $PARTS == *r* ]] && timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_kernels_gpu.py \
   -k ragged -rs 2>&1 | tail -30 | tee "$OUT/gpu-tests-ragged.log"
 [[ $PARTS == *D* ]] && timeout 200 python benchmarks/spec_divergence.py --out "$OUT/spec-divergence.json" 2>&1 | tail -5
+[[ $PARTS == *L* ]] && timeout 300 python benchmarks/profile_long_decode.py --out "$OUT/profile-long-decode.json" 2>&1 | tail -20
 [[ $PARTS == *p* ]] && bench prefix 70
 [[ $PARTS == *l* ]] && bench layer 90
 [[ $PARTS == *e* ]] && bench engine 110
