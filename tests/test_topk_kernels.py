@@ -84,19 +84,22 @@ def adversarial_rows(width, k, g):
     return logits, lengths, starts
 
 
-def test_adversarial_rows_are_exact_as_positions_and_slots():
+@pytest.mark.parametrize("max_chunks", [None, 1, 2], ids=["regions-default", "regions-1", "regions-2"])
+def test_adversarial_rows_are_exact_as_positions_and_slots(max_chunks):
+    """Every adversarial row, with the launcher's regions per row and with fewer (``max_chunks``)."""
     g = torch.Generator().manual_seed(0)
     width, k, p = 501, 40, 16
     logits, lengths, starts = adversarial_rows(width, k, g)
     r = logits.shape[0]
+    small = SMALL if max_chunks is None else dict(SMALL, max_chunks=max_chunks)
     pos = torch.full((r, k), POISON, dtype=torch.int32)
-    topk_triton(logits, lengths, k, starts, out=pos, **SMALL)
+    topk_triton(logits, lengths, k, starts, out=pos, **small)
     check_topk(pos, logits, lengths, k, starts, topk_indices_reference(logits, lengths, k, starts))
     table = torch.randperm(40 * r, generator=g)[:29 * r].view(r, 29).to(torch.int32)  # 29 * 16 < 501
     row_to_req = torch.arange(r, dtype=torch.int32).flip(0)
     seq_lens = torch.full((r,), width, dtype=torch.int32)
     out = torch.full((r, k), POISON, dtype=torch.int32)
-    topk_triton(logits, lengths, k, starts, (table, row_to_req, seq_lens, p), out=out, **SMALL)
+    topk_triton(logits, lengths, k, starts, (table, row_to_req, seq_lens, p), out=out, **small)
     assert torch.equal(out, positions_to_slots_reference(pos, table, row_to_req, seq_lens, p))
 
 

@@ -18,7 +18,8 @@ from .targets import TOPK_SLOTS_SLACK, TOPK_US
 K = 2048
 P = 64
 VARIANTS = [dict(sample=1024, programs=132), dict(sample=1024, programs=132, block=2048), dict(sample=1024),
-            dict(programs=132), dict(block=2048)]  # each against the defaults of topk_triton
+            dict(programs=132), dict(block=2048), dict(max_chunks=32), dict(max_chunks=64), dict(max_chunks=128),
+            dict(min_chunk=8192)]  # each against the defaults of topk_triton
 
 
 def _check(out, logits, lengths):

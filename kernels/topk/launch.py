@@ -67,6 +67,7 @@ BLOCK = 1024  # scan: columns per step (4 warps x 32 threads x 8 fp32)
 NUM_WARPS = 4
 PROGRAMS = 264  # scan programs per launch the row split aims at (2 per H200 SM)
 MIN_CHUNK = 4096  # columns per program at least: every program pays for the same guess
+MAX_CHUNKS = PROGRAMS  # regions per row at most: each place program reads every region's histogram (C^2 a row)
 SAMPLE = 512  # sample columns per row, read in runs of SEG (every scan program reads it: the guess)
 BOUND_TILES = 4  # logits take the tile bound when a row of their width has this many tiles per k at least
 BOUND_ROWS = 32  # and they have this many rows at least
@@ -286,13 +287,13 @@ def bound_widths(k: int, max_width: int, max_rows: int) -> dict:
 
 
 def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs=PROGRAMS, min_chunk=MIN_CHUNK,
-                sample=SAMPLE, num_warps=NUM_WARPS, bound_tiles=BOUND_TILES, bound_rows=BOUND_ROWS,
-                bound_elems=BOUND_ELEMS, bound_bits=BOUND_BITS, tile=None, tile_programs=TILE_PROGRAMS, out=None,
-                scratch=None):
+                max_chunks=MAX_CHUNKS, sample=SAMPLE, num_warps=NUM_WARPS, bound_tiles=BOUND_TILES,
+                bound_rows=BOUND_ROWS, bound_elems=BOUND_ELEMS, bound_bits=BOUND_BITS, tile=None,
+                tile_programs=TILE_PROGRAMS, out=None, scratch=None):
     """Three launches, five for logits wide enough for the tile bound (:func:`bounded`: the tile maxima
     and the bound replace the guess, and the scan reads only the listed tiles). ``slots``:
     ``(block_table, row_to_req, seq_lens, block_size)`` to write slots;
-    ``block``/``programs``/``min_chunk``/``sample``/``num_warps``/``bound_tiles``/``bound_rows``/
+    ``block``/``programs``/``min_chunk``/``max_chunks``/``sample``/``num_warps``/``bound_tiles``/``bound_rows``/
     ``bound_elems``/``bound_bits`` (the bound's top bits found: fewer give a lower, equally exact
     bound)/``tile`` (None: :func:`bound_tile`)/``tile_programs``/``out`` for tests and tuning;
     ``scratch``: a dict that receives the region histograms ``[R, C, 256]``, the region counts ``[R, C]``
@@ -306,7 +307,7 @@ def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     lengths = lengths.contiguous()
     starts_t = lengths if starts is None else starts.contiguous()
-    chunks = max(1, min(triton.cdiv(width, min_chunk), triton.cdiv(programs, r))) if width > k else 1
+    chunks = max(1, min(triton.cdiv(width, min_chunk), triton.cdiv(programs, r), max_chunks)) if width > k else 1
     tile = tile or bound_tile(width)
     bound = bounded(r, width, k, bound_tiles, tile, bound_rows, bound_elems)
     tiles = triton.cdiv(width, tile)
