@@ -238,26 +238,24 @@ def test_every_path_is_exact():
     assert torch.all(total[4:] >= k) and torch.all(b[4:] < 255), "ordinary rows take the fast path"
 
 
-@pytest.mark.parametrize("k,max_width,max_rows", [(2048, 70000, 300), (64, 9000, 7), (512, 530, 1)],
-                         ids=["v32", "small", "one-row"])
+@pytest.mark.parametrize("k,max_width,max_rows", [(2048, 70000, 300), (64, 9000, 7), (512, 530, 1),
+                                                  (2048, 1 << 20, 1)], ids=["v32", "small", "one-row", "one-row-1m"])
 def test_finish_tile_shapes_cover_every_tile_the_launcher_picks(k, max_width, max_rows):
     """The warm-up launches one shape per finish tile: every (rows, width) the launcher can meet
     picks a tile in that set (so no tile compiles after warm-up)."""
-    import triton
-
     from dsa.kernels.topk import finish_tile_shapes
-    from dsa.kernels.topk.launch import MIN_CHUNK, PROGRAMS, SAMPLE
+    from dsa.kernels.topk.launch import SAMPLE, row_regions
     from dsa.kernels.topk.regions import finish_tiles
     shapes = finish_tile_shapes(k, max_width, max_rows)
     g = torch.Generator().manual_seed(k)
     widths = torch.randint(k + 1, max_width + 1, (300,), generator=g).tolist() + [k + 1, max_width]
     for width in widths:
         for r in {1, max_rows, int(torch.randint(1, max_rows + 1, (1,), generator=g))}:
-            chunks = max(1, min(triton.cdiv(width, MIN_CHUNK), triton.cdiv(PROGRAMS, r)))
+            chunks = row_regions(r, width, k)
             tile = finish_tiles(k, width, SAMPLE, chunks)
             assert tile in shapes, (r, width, tile, sorted(shapes))
     for (fast, cb, w), (r, width) in shapes.items():  # each representative picks its own tile
-        chunks = max(1, min(triton.cdiv(width, MIN_CHUNK), triton.cdiv(PROGRAMS, r)))
+        chunks = row_regions(r, width, k)
         assert finish_tiles(k, width, SAMPLE, chunks) == (fast, cb, w) and r <= max_rows and width <= max_width
 
 

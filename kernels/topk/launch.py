@@ -67,7 +67,8 @@ BLOCK = 1024  # scan: columns per step (4 warps x 32 threads x 8 fp32)
 NUM_WARPS = 4
 PROGRAMS = 264  # scan programs per launch the row split aims at (2 per H200 SM)
 MIN_CHUNK = 4096  # columns per program at least: every program pays for the same guess
-MAX_CHUNKS = PROGRAMS  # regions per row at most: each place program reads every region's histogram (C^2 a row)
+MAX_CHUNKS = 128  # regions a row at most: each place program reads every region's histogram (C^2 reads a row);
+# on the H200 a row of 1M takes 34.3 us with 128 regions, 36.9 with 64, 44.8 with 256 (topk-variants-h200-2026-12-03)
 SAMPLE = 512  # sample columns per row, read in runs of SEG (every scan program reads it: the guess)
 BOUND_TILES = 4  # logits take the tile bound when a row of their width has this many tiles per k at least
 BOUND_ROWS = 32  # and they have this many rows at least
@@ -286,6 +287,15 @@ def bound_widths(k: int, max_width: int, max_rows: int) -> dict:
     return shapes
 
 
+def row_regions(rows: int, width: int, k: int, programs: int = PROGRAMS, min_chunk: int = MIN_CHUNK,
+                max_chunks: int = MAX_CHUNKS) -> int:
+    """``C``: the regions (scan programs) of each row of ``[rows, width]`` logits: ``programs`` a launch, at
+    least ``min_chunk`` columns and at most ``max_chunks`` regions a row; 1 when no row is wider than ``k``."""
+    if width <= k:
+        return 1
+    return max(1, min(triton.cdiv(width, min_chunk), triton.cdiv(programs, rows), max_chunks))
+
+
 def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs=PROGRAMS, min_chunk=MIN_CHUNK,
                 max_chunks=MAX_CHUNKS, sample=SAMPLE, num_warps=NUM_WARPS, bound_tiles=BOUND_TILES,
                 bound_rows=BOUND_ROWS, bound_elems=BOUND_ELEMS, bound_bits=BOUND_BITS, tile=None,
@@ -307,7 +317,7 @@ def topk_triton(logits, lengths, k, starts, slots=None, *, block=BLOCK, programs
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     lengths = lengths.contiguous()
     starts_t = lengths if starts is None else starts.contiguous()
-    chunks = max(1, min(triton.cdiv(width, min_chunk), triton.cdiv(programs, r), max_chunks)) if width > k else 1
+    chunks = row_regions(r, width, k, programs, min_chunk, max_chunks)
     tile = tile or bound_tile(width)
     bound = bounded(r, width, k, bound_tiles, tile, bound_rows, bound_elems)
     tiles = triton.cdiv(width, tile)
@@ -376,7 +386,7 @@ def finish_tile_shapes(k: int, max_width: int, max_rows: int) -> dict:
     spans = cdiv(widths, MIN_CHUNK)
     caps = set()  # the row count acts only through the chunk cap: a row count whose cap came before adds no tile
     for r in sorted({min(max_rows, n) for n in range(1, PROGRAMS + 1)}):
-        cap = min(triton.cdiv(PROGRAMS, r), int(spans[-1]))  # a cap above every width's span caps none
+        cap = min(triton.cdiv(PROGRAMS, r), int(spans[-1]), MAX_CHUNKS)  # a cap above every width's span caps none
         if cap in caps:
             continue
         caps.add(cap)
