@@ -5,6 +5,7 @@
 #   t: every GPU test   p: bench prefix   l: bench layer   e: bench engine   d: the GPU demo
 #   m: bench mla        k: bench topk     i: bench indexer
 #   g: bench long at 128K-1M on demo-gpu (+ dense at 128K), ~5 min      (issue #38; each of g, s, q
+#   G: bench long at 128K and 1M only (no dense rows): the 1M time to first token and decode's ratio to 128K, ~4 min
 #   s: one 1M-token request through dsa serve --max-model-len, ~4 min    fills one 10-minute call)
 #   c: the prefill chunk for long prompts (issue #38 item 2): bench long at 512K (no dense rows) with
 #      --max-batch-tokens 4096, 8192, 16384, 32768, each into $OUT/chunk-N, ~5 min
@@ -65,6 +66,8 @@ spec() {  # name [bench engine flags]
                          timeout 200 python benchmarks/profile_spec_step.py --preset demo-gpu --draft-acceptance 0.7 \
                            --new 64 --out "$OUT/profile-demo-gpu" 2>&1 | grep -v "^USDT" | tail -60; }
 [[ $PARTS == *g* ]] && timeout 560 python -m dsa bench long --lengths 131072,262144,524288,1048576 --out "$OUT" \
+  --git-sha "$SHA" 2>&1 | tee -a "$OUT/bench-long.log" | grep -v "^long_prefill"
+[[ $PARTS == *G* ]] && timeout 400 python -m dsa bench long --lengths 131072,1048576 --dense-up-to 1 --out "$OUT" \
   --git-sha "$SHA" 2>&1 | tee -a "$OUT/bench-long.log" | grep -v "^long_prefill"
 [[ $PARTS == *x* ]] && timeout 300 python benchmarks/prefill_indexer_split.py --lengths "${SPLIT_LENGTHS:-65536,262144,524288,1048576}" \
   --out "$OUT/prefill-indexer-split.json" \
