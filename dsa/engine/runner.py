@@ -64,6 +64,7 @@ class ModelRunner:
                  max_model_len: int | None = None, mtp_caches: bool = False, speculative_tokens: int = 0,
                  drafter=None):
         self.model = model
+        self.device = model.device  # (a module's device property walks its parameters: read once)
         self.drafter = drafter  # a speculating runner's (dsa.engine.drafter): its passes run inside the step
         self.next_n = check_int("speculative_tokens", speculative_tokens, minimum=0) + 1  # rows per decode request
         self.caches = model.allocate_caches(num_blocks, mtp=True) if mtp_caches else model.allocate_caches(num_blocks)
@@ -106,7 +107,7 @@ class ModelRunner:
         batch.expect(rows[sampled], ends[sampled], sampled)
         sampling = batch.sampling.take(rows, ends)
         width = max(batch.num_blocks[rows].max(initial=1), 1)
-        host = HostPlan.pack(q, c, batch.block_table[rows, :width], self.model.config.block_size, self.model.device,
+        host = HostPlan.pack(q, c, batch.block_table[rows, :width], self.model.config.block_size, self.device,
                              options=self.plan_options, input_ids=ids, input_src=src, graphs=self.use_graphs)
         logits, graph = self._launch(host, None if src is None else previous)
         return StepResult(logits[:len(q)], sampling, host.route.rows, host.route.workspace_bytes, graph)

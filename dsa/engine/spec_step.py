@@ -37,6 +37,7 @@ class SpecStep:
     sampled: np.ndarray  # [S] the step index of each sampled request
     rows: np.ndarray  # [B] the requests' rows of the input batch
     slots: int  # S': S, or the graph bucket's rows
+    num_drafts: np.ndarray  # [S] drafts each sampled request carries
 
     @property
     def host(self) -> HostPlan:
@@ -86,19 +87,21 @@ def pack(runner, out) -> SpecStep:
     ids, src = batch.input_ids(rows, q, c, False)
     first = np.cumsum(q) - q
     sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
-    base = first[sampled] + q[sampled] - 1 - k[sampled]  # the row of each sampled request's last token
-    if k.any():
+    ks = k[sampled]
+    base = first[sampled] + q[sampled] - 1 - ks  # the row of each sampled request's last token
+    drafts = int(ks.sum())
+    if drafts:  # draft row j of sampled request s reads draft s * n + j: one pass over every request's drafts
         src = np.full(len(ids), -1) if src is None else src
-        for s, i in enumerate(sampled.tolist()):
-            src[base[s] + 1:base[s] + 1 + k[i]] = s * n + np.arange(k[i])
+        j = np.arange(drafts) - np.repeat(np.cumsum(ks) - ks, ks)
+        src[np.repeat(base + 1, ks) + j] = np.repeat(np.arange(len(sampled)) * n, ks) + j
     batch.expect(rows[sampled], (c + q - k)[sampled], sampled)  # each one's sampled place
-    after = batch.token_ids[rows, np.minimum(c + q, batch.token_ids.shape[1] - 1)].clip(0)  # each one's next id
-    offsets = np.minimum(np.arange(n + 1)[None, :], k[sampled][:, None])  # [S, N + 1]
+    after = np.maximum(batch.token_ids[rows, np.minimum(c + q, batch.token_ids.shape[1] - 1)], 0)  # each one's next id
+    offsets = np.minimum(np.arange(n + 1)[None, :], ks[:, None])  # [S, N + 1]
     width = max(batch.num_blocks[rows].max(initial=1), 1)
-    host = HostPlan.pack(q, c, batch.block_table[rows, :width], runner.model.config.block_size, runner.model.device,
+    host = HostPlan.pack(q, c, batch.block_table[rows, :width], runner.model.config.block_size, runner.device,
                          options=runner.plan_options, input_ids=ids, input_src=src, graphs=runner.use_graphs,
                          next_n=n + 1, logits_rows=(base[:, None] + offsets).reshape(-1))
-    slots = Slots(rows[sampled], c[sampled], k[sampled], len(sampled) if host.bucket is None else host.bucket.rows,
+    slots = Slots(rows[sampled], c[sampled], ks, len(sampled) if host.bucket is None else host.bucket.rows,
                   host.bucket)
     return _packed(runner, host, slots, sampled, rows, host.row_index[base], host.row_index[first + q - 1], after)
 
@@ -118,7 +121,7 @@ def _packed(runner, host: HostPlan, slots: Slots, sampled, rows, base, last, aft
     packed = PackedStep({"verify": host, **plans},
                         {"num_drafts": pad_to(slots.num_drafts, slots.size, 0), "base": pad_to(base, slots.size, t),
                          "last": pad_to(last, reqs, t), "after": pad_to(after, reqs, 0), **arrays})
-    return SpecStep(packed, sampled, rows, slots.size)
+    return SpecStep(packed, sampled, rows, slots.size, slots.num_drafts)
 
 
 def draft_verify(runner, step: SpecStep, buf: torch.Tensor) -> tuple:
@@ -145,8 +148,8 @@ def observe(runner, step: SpecStep, buf: torch.Tensor, hidden, tokens, accepted)
 def capture(runner, bucket: Bucket) -> SpecGraph:
     """Capture a verify bucket's two passes on its padding step (into ``runner.graphs``)."""
     step = padding_step(runner, bucket)
-    buf = torch.zeros(step.packed.size, dtype=torch.int32, device=runner.model.device)
-    step.packed.upload(runner.model.device, buf)
+    buf = torch.zeros(step.packed.size, dtype=torch.int32, device=runner.device)
+    step.packed.upload(runner.device, buf)
     first, outputs = runner.record(lambda: draft_verify(runner, step, buf))
     first.replay()  # a captured graph has not run: its outputs (the indices the second pass reads) hold nothing yet
     second, (packed,) = runner.record(lambda: observe(runner, step, buf, *outputs[2:]))
@@ -157,7 +160,7 @@ def capture(runner, bucket: Bucket) -> SpecGraph:
 def run(runner, out) -> SpecResult:
     """Pack a step, upload it once and run its first pass (by its bucket's graph when it has one)."""
     step = pack(runner, out)
-    device = runner.model.device
+    device = runner.device
     if step.bucket is None:
         buf = step.packed.upload(device, staging=runner.staging)
         return SpecResult(step, buf, *draft_verify(runner, step, buf), None)

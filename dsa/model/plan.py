@@ -25,7 +25,7 @@ import torch
 from dsa.indexer.batch import DecodeRows, IndexerBatch, PrefillRows, Segment
 from dsa.kernels import positions_to_slots
 from dsa.kernels.common import cdiv, check_int
-from dsa.model.route import PATHS, Bucket, PlanOptions, Route, graph_bucket, route
+from dsa.model.route import PATHS, Bucket, PlanOptions, Route, decode_route, graph_bucket, route
 
 __all__ = ["PATHS", "BatchPlan", "Bucket", "HostPlan", "PlanOptions"]
 
@@ -102,7 +102,7 @@ def _check_lengths(query_lens, context_lens) -> tuple[np.ndarray, np.ndarray]:
     context = np.asarray(context_lens, dtype=np.int64).reshape(-1)
     if query.shape != context.shape:
         raise ValueError(f"context_lens: expected {len(query)} entries (one per request), got {len(context)}")
-    if (query < 1).any() or (context < 0).any():
+    if query.min(initial=1) < 1 or context.min(initial=0) < 0:
         raise ValueError("query_lens: every request needs >= 1 new token and context_lens >= 0")
     return query, context
 
@@ -264,27 +264,53 @@ class HostPlan:
         next_n = check_int("next_n", next_n, minimum=1)
         query, context = _check_lengths(query_lens, context_lens)
         seq = context + query
-        longest = int(seq.max()) if len(seq) else 0
+        longest, t = int(seq.max(initial=0)), int(query.sum())
         bucket = _choose_bucket(query, longest, block_size, bucket, graphs, next_n)
         num_requests, num_rows = len(query), len(query) if bucket is None else bucket.rows
         width = None if bucket is None else cdiv(bucket.max_seq_len, block_size)
         tables = _block_array(block_tables, num_requests, width, num_rows)
-        if (cdiv(seq, block_size) > tables.shape[1]).any():
+        if bucket is None and (cdiv(seq, block_size) > tables.shape[1]).any():  # (a bucket's tables are wide enough)
             raise ValueError(f"block_tables: expected [B={num_requests}, >= ceil(S / {block_size})] blocks per "
                              f"request, got {list(tables.shape)} for seq_lens {seq.tolist()}")
-        ids, src = _check_ids(input_ids, input_src, int(query.sum()))
-        rows = _logits_rows(logits_rows, int(query.sum()))
+        ids, src = _check_ids(input_ids, input_src, t)
+        rows = _logits_rows(logits_rows, t)
+        if bucket is not None:
+            return cls._decode(query, seq, tables, ids, src, rows, t, block_size, device, options, bucket)
+        return cls._general(query, context, seq, tables, ids, src, rows, block_size, device, options, None, next_n)
+
+    @classmethod
+    def _general(cls, query, context, seq, tables, ids, src, rows, block_size: int, device, options: PlanOptions,
+                 bucket: Bucket | None, next_n: int) -> "HostPlan":
+        """:meth:`pack` of checked inputs (``tables`` ``[B', MB]`` int32, ``rows`` None or ``[R]`` int64): the
+        layout, the route and the parts by the general arrays. :meth:`pack` takes it for every step but a
+        graph bucket's (:meth:`_decode`, whose plans the tests compare with this one's at a ``bucket``)."""
+        num_requests, num_rows = len(query), len(query) if bucket is None else bucket.rows
         lay = _Layout.of(query, context, seq, next_n, num_rows)
         if ids is not None:
             ids, src = lay.scatter(ids, 0), lay.scatter(src, -1)
         rows = lay.first_row + lay.query - 1 if rows is None else lay.row_index[rows]
         if bucket is not None and len(rows) < bucket.rows * next_n:
             rows = np.concatenate((rows, np.zeros(bucket.rows * next_n - len(rows), np.int64)))
-        max_seq_len = longest if bucket is None else bucket.max_seq_len
+        max_seq_len = int(seq.max(initial=0)) if bucket is None else bucket.max_seq_len
         routed = route(lay.query, lay.start, lay.first_row, num_requests, max_seq_len, options, next_n, lay.new)
         spec, packer = _pack(lay, tables, ids, src, rows, routed)
         return cls(lay.query, lay.start, num_requests, block_size, options.index_topk, max_seq_len,
                    torch.device(device), bucket, routed, spec, packer, next_n, lay.row_index)
+
+    @classmethod
+    def _decode(cls, query, seq, tables, ids, src, rows, num_tokens: int, block_size: int, device,
+                options: PlanOptions, bucket: Bucket) -> "HostPlan":
+        """:meth:`_general` of a decode-only step padded to a graph ``bucket`` (``query`` ``[B]`` of at most
+        ``bucket.next_n`` each, ``seq`` ``[B]`` int64, ``tables`` ``[rows, width]`` int32): the same plan, its
+        parts written into one int32 buffer by a few whole-array ops (:func:`_decode_parts`)."""
+        n, num_rows = bucket.next_n, bucket.rows
+        row_index = _decode_row_index(query, num_tokens, n)
+        start = np.zeros(num_rows, np.int64)
+        start[:len(query)] = seq - n  # a decode request's rows end at S - 1; a padding request's sit at 0 ..
+        spec, packer = _decode_parts(start, seq, tables, ids, src, rows, row_index, n)
+        routed = decode_route(num_rows, num_tokens, bucket.max_seq_len, options, n)
+        return cls(np.full(num_rows, n, np.int64), start, len(query), block_size, options.index_topk,
+                   bucket.max_seq_len, torch.device(device), bucket, routed, spec, packer, n, row_index)
 
     def upload(self, out: torch.Tensor | None = None, staging=None) -> torch.Tensor:
         """The packed facts on the device: one non-blocking copy (into ``out`` when given), from a
@@ -367,7 +393,7 @@ def _logits_rows(rows, num_tokens: int) -> np.ndarray | None:
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
         raise ValueError(f"logits_rows: expected a 1-D sequence of row indices, got shape {list(a.shape)} {a.dtype}")
     a = a.astype(np.int64)
-    if a.size and (a.min() < 0 or a.max() >= num_tokens):
+    if a.size and int(a.astype(np.uint64).max()) >= num_tokens:  # (one pass: a negative row wraps past 2^63)
         raise ValueError(f"logits_rows: rows must be in [0, {num_tokens}) (the step's rows), got {a.min()}..{a.max()}")
     return a
 
@@ -396,6 +422,55 @@ def _pack(lay: _Layout, tables, ids, src, logits_rows, routed: Route) -> tuple[d
     if routed.sparse:
         spec["sparse_rows"] = pack.add(routed.sparse_rows)
     return spec, pack
+
+
+def _decode_row_index(query: np.ndarray, num_tokens: int, next_n: int) -> np.ndarray:
+    """``[T]`` int64, the plan row of each row given of a graph bucket's step (``query`` ``[B]``, each at most
+    ``next_n``, ``T`` in all): request ``i``'s rows end at plan row ``(i + 1) * next_n - 1``."""
+    if num_tokens == len(query) * next_n:  # every request full (plain decode; a verify step of every draft)
+        return np.arange(num_tokens)
+    ends = np.cumsum(query)
+    return np.repeat(np.arange(next_n, (len(query) + 1) * next_n, next_n) - ends, query) + np.arange(num_tokens)
+
+
+def _decode_parts(start, seq, tables, ids, src, rows, row_index, next_n: int) -> tuple[dict, _Packer]:
+    """:func:`_pack` of a graph bucket's step (``start`` ``[B']`` int64 each request's first position, ``seq``
+    ``[B]`` the real ones' lengths, ``tables`` ``[B', width]`` int32, ``ids``/``src`` None or ``[T]``, ``rows``
+    None or ``[R]`` int64 given rows, ``row_index`` ``[T]`` int64): the same spec and bytes, as one part."""
+    num_rows, n, b = len(start), next_n, len(seq)
+    rn = num_rows * n
+    full = len(row_index) == b * n  # the rows given are plan rows 0 .. T - 1
+    num_logits = rn if rows is None else max(len(rows), rn)
+    table, logits = 2 * rn + num_rows, 2 * rn + num_rows + tables.size  # offsets
+    spec = dict(positions=(0, rn), row_to_req=(rn, rn), seq_lens=(2 * rn, num_rows), table=(table, tables.shape),
+                logits_rows=(logits, num_logits))
+    end = logits + num_logits
+    if ids is not None:
+        spec["ids"], spec["src"] = (end, rn), (end + rn, rn)
+    buf = np.empty(end + (2 * rn if ids is not None else 0), np.int32)
+    buf[:rn].reshape(num_rows, n)[:] = start[:, None] + np.arange(n)  # positions
+    _put(buf[rn:2 * rn], row_index, row_index // n, -1, full)  # row_to_req (padding rows: -1, they write nowhere)
+    buf[2 * rn:2 * rn + b], buf[2 * rn + b:table] = seq, 0  # seq_lens
+    buf[table:logits] = tables.reshape(-1)
+    if rows is None:  # each request's last row
+        buf[logits:logits + num_rows], buf[logits + num_rows:end] = np.arange(n - 1, rn, n), 0
+    else:
+        buf[logits:logits + len(rows)], buf[logits + len(rows):end] = row_index[rows], 0
+    if ids is not None:
+        _put(buf[end:end + rn], row_index, ids, 0, full)
+        _put(buf[end + rn:], row_index, src, -1, full)
+    packer = _Packer()
+    packer.parts, packer.size = [buf], buf.size
+    return spec, packer
+
+
+def _put(out: np.ndarray, row_index: np.ndarray, values, fill: int, full: bool) -> None:
+    """``out[row_index] = values`` and ``fill`` elsewhere (``full``: ``row_index`` is ``0 .. T - 1``)."""
+    if full:
+        out[:len(values)], out[len(values):] = values, fill
+    else:
+        out.fill(fill)
+        out[row_index] = values
 
 
 class PackedStep:

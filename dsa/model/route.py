@@ -159,6 +159,19 @@ def route(query_lens: np.ndarray, context_lens: np.ndarray, first_row: np.ndarra
                  absorbed=absorbed, sparse_rows=sparse_rows, rows=rows, workspace_bytes=workspace)
 
 
+def decode_route(num_rows: int, new_rows: int, max_seq_len: int, options: PlanOptions, next_n: int = 1) -> Route:
+    """:func:`route` of a step padded to a graph bucket of ``num_rows`` requests (every one decodes, the
+    padding ones last) whose real requests have ``new_rows`` new rows: the same Route, without its passes
+    over the arrays."""
+    k = options.index_topk
+    rows = dict.fromkeys(PATHS, 0)
+    rows["sparse_decode" if k is not None else "dense_decode"] = new_rows
+    return Route(decode_reqs=np.arange(num_rows, dtype=np.int64), next_n=next_n, contiguous=True,
+                 decode_only=num_rows > 0, sparse_decode=k is not None,
+                 every_position=num_rows > 0 and k is not None and max_seq_len <= k, sparse=(), mha=(), absorbed=(),
+                 sparse_rows=_NO_ROWS, rows=rows, workspace_bytes=0)
+
+
 def _prefill_segments(query_lens, context_lens, first_row, prefill_reqs, options: PlanOptions, rows: dict):
     """``(sparse, mha, absorbed, workspace_bytes)``: per prefill request its dense rows (those whose
     range ``[0, pos]`` fits in ``index_topk``) and then its sparse rows; counts them into ``rows``."""
