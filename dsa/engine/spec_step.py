@@ -89,14 +89,10 @@ def pack(runner, out) -> SpecStep:
     sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
     ks = k[sampled]
     base = first[sampled] + q[sampled] - 1 - ks  # the row of each sampled request's last token
-    drafts = int(ks.sum())
-    if drafts:  # draft row j of sampled request s reads draft s * n + j: one pass over every request's drafts
-        src = np.full(len(ids), -1) if src is None else src
-        j = np.arange(drafts) - np.repeat(np.cumsum(ks) - ks, ks)
-        src[np.repeat(base + 1, ks) + j] = np.repeat(np.arange(len(sampled)) * n, ks) + j
+    src = _draft_src(np.full(len(ids), -1) if src is None else src, base, ks, n)
     batch.expect(rows[sampled], (c + q - k)[sampled], sampled)  # each one's sampled place
     after = np.maximum(batch.token_ids[rows, np.minimum(c + q, batch.token_ids.shape[1] - 1)], 0)  # each one's next id
-    offsets = np.minimum(np.arange(n + 1)[None, :], ks[:, None])  # [S, N + 1]
+    offsets = np.arange(n + 1) if len(ks) and ks.min() == n else np.minimum(np.arange(n + 1), ks[:, None])  # [S, N + 1]
     width = max(batch.num_blocks[rows].max(initial=1), 1)
     host = HostPlan.pack(q, c, batch.block_table[rows, :width], runner.model.config.block_size, runner.device,
                          options=runner.plan_options, input_ids=ids, input_src=src, graphs=runner.use_graphs,
@@ -104,6 +100,18 @@ def pack(runner, out) -> SpecStep:
     slots = Slots(rows[sampled], c[sampled], ks, len(sampled) if host.bucket is None else host.bucket.rows,
                   host.bucket)
     return _packed(runner, host, slots, sampled, rows, host.row_index[base], host.row_index[first + q - 1], after)
+
+
+def _draft_src(src: np.ndarray, base: np.ndarray, drafts: np.ndarray, n: int) -> np.ndarray:
+    """``src [T]`` with each draft row's: draft row ``j`` of sampled request ``s`` (rows ``base[s] + 1 ..``,
+    ``drafts[s]`` of them, ``[S]`` each) reads draft ``s * n + j``."""
+    total = int(drafts.sum())
+    if total == len(drafts) * n:  # every request carries N drafts: a grid
+        src[(base[:, None] + np.arange(1, n + 1)).reshape(-1)] = np.arange(total)
+    elif total:
+        j = np.arange(total) - np.repeat(np.cumsum(drafts) - drafts, drafts)
+        src[np.repeat(base + 1, drafts) + j] = np.repeat(np.arange(len(drafts)) * n, drafts) + j
+    return src
 
 
 def padding_step(runner, bucket: Bucket) -> SpecStep:

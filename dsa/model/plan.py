@@ -17,7 +17,10 @@ tokens sit at their own positions, and the padding rows in front of them see onl
 before the step and write nowhere (``row_to_req`` -1); nothing returns their outputs.
 :attr:`HostPlan.row_index` maps the rows given to the plan's.
 """
+import dataclasses
+import functools
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -134,7 +137,7 @@ def _choose_bucket(query: np.ndarray, longest: int, block_size: int, bucket: Buc
         raise TypeError(f"bucket: expected a Bucket, got {type(bucket).__name__}")
     if bucket.next_n != next_n:
         raise ValueError(f"bucket: its next_n {bucket.next_n} is not the step's next_n {next_n}")
-    if (query > next_n).any() or bucket.rows < len(query):
+    if query.max(initial=0) > next_n or bucket.rows < len(query):
         raise ValueError(f"bucket: padding needs a decode-only step of <= {bucket.rows} requests of <= {next_n} "
                          f"new tokens, got query_lens {query.tolist()}")
     if bucket.max_seq_len < longest:
@@ -304,13 +307,15 @@ class HostPlan:
         ``bucket.next_n`` each, ``seq`` ``[B]`` int64, ``tables`` ``[rows, width]`` int32): the same plan, its
         parts written into one int32 buffer by a few whole-array ops (:func:`_decode_parts`)."""
         n, num_rows = bucket.next_n, bucket.rows
+        num_logits = num_rows * n if rows is None else max(len(rows), num_rows * n)
+        query_lens, spec, routed = _decode_facts(bucket, num_tokens, num_logits, ids is not None, tables.shape[1],
+                                                 options.index_topk)
         row_index = _decode_row_index(query, num_tokens, n)
         start = np.zeros(num_rows, np.int64)
         start[:len(query)] = seq - n  # a decode request's rows end at S - 1; a padding request's sit at 0 ..
-        spec, packer = _decode_parts(start, seq, tables, ids, src, rows, row_index, n)
-        routed = decode_route(num_rows, num_tokens, bucket.max_seq_len, options, n)
-        return cls(np.full(num_rows, n, np.int64), start, len(query), block_size, options.index_topk,
-                   bucket.max_seq_len, torch.device(device), bucket, routed, spec, packer, n, row_index)
+        packer = _decode_parts(spec, start, seq, tables, ids, src, rows, row_index, n)
+        return cls(query_lens, start, len(query), block_size, options.index_topk, bucket.max_seq_len,
+                   torch.device(device), bucket, routed, spec, packer, n, row_index)
 
     def upload(self, out: torch.Tensor | None = None, staging=None) -> torch.Tensor:
         """The packed facts on the device: one non-blocking copy (into ``out`` when given), from a
@@ -392,7 +397,7 @@ def _logits_rows(rows, num_tokens: int) -> np.ndarray | None:
     a = np.asarray(rows.detach().cpu() if isinstance(rows, torch.Tensor) else rows)
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
         raise ValueError(f"logits_rows: expected a 1-D sequence of row indices, got shape {list(a.shape)} {a.dtype}")
-    a = a.astype(np.int64)
+    a = a.astype(np.int64, copy=False)
     if a.size and int(a.astype(np.uint64).max()) >= num_tokens:  # (one pass: a negative row wraps past 2^63)
         raise ValueError(f"logits_rows: rows must be in [0, {num_tokens}) (the step's rows), got {a.min()}..{a.max()}")
     return a
@@ -433,20 +438,37 @@ def _decode_row_index(query: np.ndarray, num_tokens: int, next_n: int) -> np.nda
     return np.repeat(np.arange(next_n, (len(query) + 1) * next_n, next_n) - ends, query) + np.arange(num_tokens)
 
 
-def _decode_parts(start, seq, tables, ids, src, rows, row_index, next_n: int) -> tuple[dict, _Packer]:
-    """:func:`_pack` of a graph bucket's step (``start`` ``[B']`` int64 each request's first position, ``seq``
-    ``[B]`` the real ones' lengths, ``tables`` ``[B', width]`` int32, ``ids``/``src`` None or ``[T]``, ``rows``
-    None or ``[R]`` int64 given rows, ``row_index`` ``[T]`` int64): the same spec and bytes, as one part."""
+@functools.lru_cache(maxsize=4096)
+def _decode_facts(bucket: Bucket, num_tokens: int, num_logits: int, with_ids: bool, width: int,
+                  index_topk: int | None) -> tuple:
+    """``(query_lens [B'] int64, spec, route)`` of a graph bucket's step of ``num_tokens`` rows given and
+    ``num_logits`` logits rows (padded), its block tables ``width`` wide: the same for every such step, so
+    shared by their plans (read-only: the arrays unwritable, the route's row counts a read-only mapping)."""
+    num_rows, n = bucket.rows, bucket.next_n
+    rn = num_rows * n
+    table, logits = 2 * rn + num_rows, 2 * rn + num_rows + num_rows * width  # offsets
+    spec = dict(positions=(0, rn), row_to_req=(rn, rn), seq_lens=(2 * rn, num_rows), table=(table, (num_rows, width)),
+                logits_rows=(logits, num_logits))
+    if with_ids:
+        spec["ids"], spec["src"] = (logits + num_logits, rn), (logits + num_logits + rn, rn)
+    routed = decode_route(num_rows, num_tokens, bucket.max_seq_len, index_topk, n)
+    routed = dataclasses.replace(routed, rows=MappingProxyType(routed.rows))
+    query_lens = np.full(num_rows, n, np.int64)
+    for a in (query_lens, routed.decode_reqs):
+        a.flags.writeable = False
+    return query_lens, spec, routed
+
+
+def _decode_parts(spec: dict, start, seq, tables, ids, src, rows, row_index, next_n: int) -> _Packer:
+    """:func:`_pack` of a graph bucket's step into one int32 part laid out by ``spec`` (:func:`_decode_facts`):
+    ``start`` ``[B']`` int64 each request's first position, ``seq`` ``[B]`` the real ones' lengths, ``tables``
+    ``[B', width]`` int32, ``ids``/``src`` None or ``[T]``, ``rows`` None or ``[R]`` int64 given rows,
+    ``row_index`` ``[T]`` int64: the same bytes."""
     num_rows, n, b = len(start), next_n, len(seq)
     rn = num_rows * n
     full = len(row_index) == b * n  # the rows given are plan rows 0 .. T - 1
-    num_logits = rn if rows is None else max(len(rows), rn)
-    table, logits = 2 * rn + num_rows, 2 * rn + num_rows + tables.size  # offsets
-    spec = dict(positions=(0, rn), row_to_req=(rn, rn), seq_lens=(2 * rn, num_rows), table=(table, tables.shape),
-                logits_rows=(logits, num_logits))
-    end = logits + num_logits
-    if ids is not None:
-        spec["ids"], spec["src"] = (end, rn), (end + rn, rn)
+    table, logits = spec["table"][0], spec["logits_rows"][0]
+    end = logits + spec["logits_rows"][1]
     buf = np.empty(end + (2 * rn if ids is not None else 0), np.int32)
     buf[:rn].reshape(num_rows, n)[:] = start[:, None] + np.arange(n)  # positions
     _put(buf[rn:2 * rn], row_index, row_index // n, -1, full)  # row_to_req (padding rows: -1, they write nowhere)
@@ -461,7 +483,7 @@ def _decode_parts(start, seq, tables, ids, src, rows, row_index, next_n: int) ->
         _put(buf[end + rn:], row_index, src, -1, full)
     packer = _Packer()
     packer.parts, packer.size = [buf], buf.size
-    return spec, packer
+    return packer
 
 
 def _put(out: np.ndarray, row_index: np.ndarray, values, fill: int, full: bool) -> None:
