@@ -85,27 +85,27 @@ def pack(runner, out) -> SpecStep:
     rows = batch.rows(out.rids)
     q, c, k = (np.asarray(a, np.int64) for a in (out.num_rows, out.computed, out.num_drafts))
     ids, src = batch.input_ids(rows, q, c, False)
-    first = np.cumsum(q) - q
+    ends, nxt = np.cumsum(q), c + q  # each request's rows end before; its next position
     sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
     ks = k[sampled]
-    base = first[sampled] + q[sampled] - 1 - ks  # the row of each sampled request's last token
-    src = _draft_src(np.full(len(ids), -1) if src is None else src, base, ks, n)
-    batch.expect(rows[sampled], (c + q - k)[sampled], sampled)  # each one's sampled place
-    after = np.maximum(batch.token_ids[rows, np.minimum(c + q, batch.token_ids.shape[1] - 1)], 0)  # each one's next id
-    offsets = np.arange(n + 1) if len(ks) and ks.min() == n else np.minimum(np.arange(n + 1), ks[:, None])  # [S, N + 1]
+    base = (ends - 1 - k)[sampled]  # the row of each sampled request's last token
+    drafts = int(ks.sum())
+    src = _draft_src(np.full(len(ids), -1) if src is None else src, base, ks, drafts, n)
+    batch.expect(rows[sampled], (nxt - k)[sampled], sampled)  # each one's sampled place
+    after = np.maximum(batch.token_ids[rows, np.minimum(nxt, batch.token_ids.shape[1] - 1)], 0)  # each one's next id
+    offsets = np.arange(n + 1) if drafts == len(ks) * n else np.minimum(np.arange(n + 1), ks[:, None])  # [S, N + 1]
     width = max(batch.num_blocks[rows].max(initial=1), 1)
     host = HostPlan.pack(q, c, batch.block_table[rows, :width], runner.model.config.block_size, runner.device,
                          options=runner.plan_options, input_ids=ids, input_src=src, graphs=runner.use_graphs,
                          next_n=n + 1, logits_rows=(base[:, None] + offsets).reshape(-1))
     slots = Slots(rows[sampled], c[sampled], ks, len(sampled) if host.bucket is None else host.bucket.rows,
                   host.bucket)
-    return _packed(runner, host, slots, sampled, rows, host.row_index[base], host.row_index[first + q - 1], after)
+    return _packed(runner, host, slots, sampled, rows, host.row_index[base], host.row_index[ends - 1], after)
 
 
-def _draft_src(src: np.ndarray, base: np.ndarray, drafts: np.ndarray, n: int) -> np.ndarray:
+def _draft_src(src: np.ndarray, base: np.ndarray, drafts: np.ndarray, total: int, n: int) -> np.ndarray:
     """``src [T]`` with each draft row's: draft row ``j`` of sampled request ``s`` (rows ``base[s] + 1 ..``,
-    ``drafts[s]`` of them, ``[S]`` each) reads draft ``s * n + j``."""
-    total = int(drafts.sum())
+    ``drafts[s]`` of them, ``[S]`` each, ``total`` in all) reads draft ``s * n + j``."""
     if total == len(drafts) * n:  # every request carries N drafts: a grid
         src[(base[:, None] + np.arange(1, n + 1)).reshape(-1)] = np.arange(total)
     elif total:
@@ -123,7 +123,7 @@ def padding_step(runner, bucket: Bucket) -> SpecStep:
 
 def _packed(runner, host: HostPlan, slots: Slots, sampled, rows, base, last, after) -> SpecStep:
     """The step's parts in one buffer; the plan's row count ``T'`` is the scratch row of its row indices."""
-    t = int(host.query_lens.sum())
+    t = host.spec["positions"][1]  # T': a position per plan row
     reqs = len(rows) if host.bucket is None else host.bucket.rows
     plans, arrays = runner.drafter.prepare(runner, slots)
     packed = PackedStep({"verify": host, **plans},

@@ -98,8 +98,7 @@ def rejection_args(runner, out, step, n: int, vocab_hash: torch.Tensor) -> dict:
     """The rejection sampler's per-request parameters and per-row noise keys (the row ``j`` of a
     request samples the token at its sampled index + j); none when every request is greedy (the argmax
     path reads none: no upload)."""
-    req = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
-    rows, sr = step.rows[req], runner.batch.sampling
+    rows, sr = step.rows[step.sampled], runner.batch.sampling
     if sr.greedy[rows].all():
         return dict(all_greedy=True)
     index = np.fromiter((x.index for x in out.sampled), np.int64, len(out.sampled))

@@ -62,7 +62,7 @@ class _Packer:
         if out is None:
             out = host.to(device, non_blocking=True)
         else:
-            out[:self.size].copy_(host, non_blocking=True)
+            (out if out.numel() == self.size else out[:self.size]).copy_(host, non_blocking=True)
         if slot is not None:
             staging.give_back(slot, copied=True)
         return out
