@@ -100,7 +100,7 @@ class ModelRunner:
         q, c = out.num_rows, out.computed
         decode_only = all(n == 1 for n in q)
         ends = np.add(c, q)  # each request's next token: the one sampled, where the row samples
-        ids, src = batch.input_ids(rows, np.asarray(q), np.asarray(c), decode_only)
+        ids, src = batch.input_ids(rows, np.asarray(q), np.asarray(c), 1 if decode_only else None)
         if src is not None and previous is None:
             raise RuntimeError("run: an input token is still being sampled, but no previous step's tokens were given")
         sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))

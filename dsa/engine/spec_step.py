@@ -84,16 +84,19 @@ def pack(runner, out) -> SpecStep:
     batch, n = runner.batch, runner.next_n - 1
     rows = batch.rows(out.rids)
     q, c, k = (np.asarray(a, np.int64) for a in (out.num_rows, out.computed, out.num_drafts))
-    ids, src = batch.input_ids(rows, q, c, False)
-    ends, nxt = np.cumsum(q), c + q  # each request's rows end before; its next position
     sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
     ks = k[sampled]
-    base = (ends - 1 - k)[sampled]  # the row of each sampled request's last token
     drafts = int(ks.sum())
+    ends, nxt = np.cumsum(q), c + q  # each request's rows end before; its next position
+    full = drafts == len(ks) * n  # every sampled request carries N drafts
+    each = n + 1 if len(q) and ends[-1] == len(q) * (n + 1) and full and len(ks) == len(q) else None  # (each one
+    # of >= N + 1 rows: its last token, then its drafts)
+    ids, src = batch.input_ids(rows, q, c, each)
+    base = (ends - 1 - k)[sampled]  # the row of each sampled request's last token
     src = _draft_src(np.full(len(ids), -1) if src is None else src, base, ks, drafts, n)
     batch.expect(rows[sampled], (nxt - k)[sampled], sampled)  # each one's sampled place
     after = np.maximum(batch.token_ids[rows, np.minimum(nxt, batch.token_ids.shape[1] - 1)], 0)  # each one's next id
-    offsets = np.arange(n + 1) if drafts == len(ks) * n else np.minimum(np.arange(n + 1), ks[:, None])  # [S, N + 1]
+    offsets = np.arange(n + 1) if full else np.minimum(np.arange(n + 1), ks[:, None])  # [S, N + 1]
     width = max(batch.num_blocks[rows].max(initial=1), 1)
     host = HostPlan.pack(q, c, batch.block_table[rows, :width], runner.model.config.block_size, runner.device,
                          options=runner.plan_options, input_ids=ids, input_src=src, graphs=runner.use_graphs,
