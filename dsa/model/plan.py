@@ -21,6 +21,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -308,14 +309,14 @@ class HostPlan:
         parts written into one int32 buffer by a few whole-array ops (:func:`_decode_parts`)."""
         n, num_rows = bucket.next_n, bucket.rows
         num_logits = num_rows * n if rows is None else max(len(rows), num_rows * n)
-        query_lens, spec, routed = _decode_facts(bucket, num_tokens, num_logits, ids is not None, tables.shape[1],
-                                                 options.index_topk)
-        row_index = _decode_row_index(query, num_tokens, n)
+        facts = _decode_facts(bucket, len(query), num_tokens, num_logits, ids is not None, tables.shape[1],
+                              options.index_topk)
+        row_index = facts.row_index if facts.row_index is not None else _decode_row_index(query, num_tokens, n)
         start = np.zeros(num_rows, np.int64)
         start[:len(query)] = seq - n  # a decode request's rows end at S - 1; a padding request's sit at 0 ..
-        packer = _decode_parts(spec, start, seq, tables, ids, src, rows, row_index, n)
-        return cls(query_lens, start, len(query), block_size, options.index_topk, bucket.max_seq_len,
-                   torch.device(device), bucket, routed, spec, packer, n, row_index)
+        packer = _decode_parts(facts, start[:len(query)], seq, tables, ids, src, rows, row_index)
+        return cls(facts.query_lens, start, len(query), block_size, options.index_topk, bucket.max_seq_len,
+                   torch.device(device), bucket, facts.route, facts.spec, packer, n, row_index)
 
     def upload(self, out: torch.Tensor | None = None, staging=None) -> torch.Tensor:
         """The packed facts on the device: one non-blocking copy (into ``out`` when given), from a
@@ -438,61 +439,80 @@ def _decode_row_index(query: np.ndarray, num_tokens: int, next_n: int) -> np.nda
     return np.repeat(np.arange(next_n, (len(query) + 1) * next_n, next_n) - ends, query) + np.arange(num_tokens)
 
 
+class _DecodeFacts(NamedTuple):
+    """What every step of one graph bucket and row count shares (:func:`_decode_facts`; read-only)."""
+    query_lens: np.ndarray  # [B'] int64, next_n each
+    spec: dict
+    route: Route
+    row_index: np.ndarray | None  # [T] int64 when every request is full (plan rows 0 .. T - 1), else None
+    template: np.ndarray  # the packed buffer but for the step's own values: each padding entry's fill
+
+
 @functools.lru_cache(maxsize=4096)
-def _decode_facts(bucket: Bucket, num_tokens: int, num_logits: int, with_ids: bool, width: int,
-                  index_topk: int | None) -> tuple:
-    """``(query_lens [B'] int64, spec, route)`` of a graph bucket's step of ``num_tokens`` rows given and
-    ``num_logits`` logits rows (padded), its block tables ``width`` wide: the same for every such step, so
-    shared by their plans (read-only: the arrays unwritable, the route's row counts a read-only mapping)."""
+def _decode_facts(bucket: Bucket, num_requests: int, num_tokens: int, num_logits: int, with_ids: bool, width: int,
+                  index_topk: int | None) -> _DecodeFacts:
+    """The facts of a graph bucket's step of ``num_requests`` requests, ``num_tokens`` rows given and ``num_logits``
+    logits rows (padded), its block tables ``width`` wide: the same for every such step, so shared by their plans
+    (read-only: the arrays unwritable, the route's row counts a read-only mapping). The template holds the padding
+    requests' positions ``0 ..`` and ``row_to_req`` -1 (every request's own when all are full), zeros for the
+    padding requests' lengths and tables, each request's last row as its logits row (ids 0, src -1)."""
     num_rows, n = bucket.rows, bucket.next_n
     rn = num_rows * n
     table, logits = 2 * rn + num_rows, 2 * rn + num_rows + num_rows * width  # offsets
     spec = dict(positions=(0, rn), row_to_req=(rn, rn), seq_lens=(2 * rn, num_rows), table=(table, (num_rows, width)),
                 logits_rows=(logits, num_logits))
+    end = logits + num_logits
     if with_ids:
-        spec["ids"], spec["src"] = (logits + num_logits, rn), (logits + num_logits + rn, rn)
+        spec["ids"], spec["src"] = (end, rn), (end + rn, rn)
+    template = np.zeros(end + (2 * rn if with_ids else 0), np.int32)
+    template[:rn] = np.tile(np.arange(n), num_rows)
+    template[rn:2 * rn] = -1
+    template[logits:logits + num_rows] = np.arange(n - 1, rn, n)
+    template[end + rn:] = -1
+    row_index = np.arange(num_tokens) if num_tokens == num_requests * n else None
+    if row_index is not None:
+        template[rn:rn + num_tokens] = row_index // n
     routed = decode_route(num_rows, num_tokens, bucket.max_seq_len, index_topk, n)
     routed = dataclasses.replace(routed, rows=MappingProxyType(routed.rows))
-    query_lens = np.full(num_rows, n, np.int64)
-    for a in (query_lens, routed.decode_reqs):
-        a.flags.writeable = False
-    return query_lens, spec, routed
+    facts = _DecodeFacts(np.full(num_rows, n, np.int64), spec, routed, row_index, template)
+    for a in (facts.query_lens, routed.decode_reqs, row_index, template):
+        if a is not None:
+            a.flags.writeable = False
+    return facts
 
 
-def _decode_parts(spec: dict, start, seq, tables, ids, src, rows, row_index, next_n: int) -> _Packer:
-    """:func:`_pack` of a graph bucket's step into one int32 part laid out by ``spec`` (:func:`_decode_facts`):
-    ``start`` ``[B']`` int64 each request's first position, ``seq`` ``[B]`` the real ones' lengths, ``tables``
-    ``[B', width]`` int32, ``ids``/``src`` None or ``[T]``, ``rows`` None or ``[R]`` int64 given rows,
-    ``row_index`` ``[T]`` int64: the same bytes."""
-    num_rows, n, b = len(start), next_n, len(seq)
-    rn = num_rows * n
-    full = len(row_index) == b * n  # the rows given are plan rows 0 .. T - 1
-    table, logits = spec["table"][0], spec["logits_rows"][0]
-    end = logits + spec["logits_rows"][1]
-    buf = np.empty(end + (2 * rn if ids is not None else 0), np.int32)
-    buf[:rn].reshape(num_rows, n)[:] = start[:, None] + np.arange(n)  # positions
-    _put(buf[rn:2 * rn], row_index, row_index // n, -1, full)  # row_to_req (padding rows: -1, they write nowhere)
-    buf[2 * rn:2 * rn + b], buf[2 * rn + b:table] = seq, 0  # seq_lens
+def _decode_row_index(query: np.ndarray, num_tokens: int, next_n: int) -> np.ndarray:
+    """``[T]`` int64, the plan row of each row given of a graph bucket's step (``query`` ``[B]``, each at most
+    ``next_n``, ``T`` in all, some short): request ``i``'s rows end at plan row ``(i + 1) * next_n - 1``."""
+    ends = np.cumsum(query)
+    return np.repeat(np.arange(next_n, (len(query) + 1) * next_n, next_n) - ends, query) + np.arange(num_tokens)
+
+
+def _decode_parts(facts: _DecodeFacts, start, seq, tables, ids, src, rows, row_index) -> _Packer:
+    """:func:`_pack` of a graph bucket's step: ``facts.template`` with the step's own values (``start``/``seq``
+    ``[B]`` int64 each request's first position and length, ``tables`` ``[B', width]`` int32, ``ids``/``src``
+    None or ``[T]``, ``rows`` None or ``[R]`` int64 given rows, ``row_index`` ``[T]`` int64): the same bytes."""
+    spec, b, n = facts.spec, len(seq), facts.route.next_n
+    buf = facts.template.copy()
+    buf[:b * n].reshape(b, n)[:] = start[:, None] + np.arange(n)  # positions
+    if facts.row_index is None:  # (a full step's row_to_req is the template's)
+        buf[n * len(facts.query_lens) + row_index] = row_index // n
+    lens, table, logits = spec["seq_lens"][0], spec["table"][0], spec["logits_rows"][0]
+    buf[lens:lens + b] = seq
     buf[table:logits] = tables.reshape(-1)
-    if rows is None:  # each request's last row
-        buf[logits:logits + num_rows], buf[logits + num_rows:end] = np.arange(n - 1, rn, n), 0
-    else:
-        buf[logits:logits + len(rows)], buf[logits + len(rows):end] = row_index[rows], 0
+    if rows is not None:
+        buf[logits:logits + len(rows)] = row_index[rows]
+        buf[logits + len(rows):logits + spec["logits_rows"][1]] = 0
     if ids is not None:
-        _put(buf[end:end + rn], row_index, ids, 0, full)
-        _put(buf[end + rn:], row_index, src, -1, full)
+        for name, values in (("ids", ids), ("src", src)):
+            at = spec[name][0]
+            if facts.row_index is not None:
+                buf[at:at + len(values)] = values
+            else:
+                buf[at + row_index] = values
     packer = _Packer()
     packer.parts, packer.size = [buf], buf.size
     return packer
-
-
-def _put(out: np.ndarray, row_index: np.ndarray, values, fill: int, full: bool) -> None:
-    """``out[row_index] = values`` and ``fill`` elsewhere (``full``: ``row_index`` is ``0 .. T - 1``)."""
-    if full:
-        out[:len(values)], out[len(values):] = values, fill
-    else:
-        out.fill(fill)
-        out[row_index] = values
 
 
 class PackedStep:
