@@ -182,3 +182,15 @@ def test_a_speculating_steps_packed_buffer_is_the_general_paths(tiny, general, m
         while engine.has_work():
             engine.step()
     assert len(compared) > 5 and len({b.rows for b in compared}) > 1
+
+
+def test_a_graph_buckets_shared_facts_are_read_only():
+    """Plans of one bucket and row count share their route, lengths and row index (cached): none can be written."""
+    args = ([1, 1], [5, 40], np.zeros((2, 16), np.int32), P, "cpu")
+    a, b = (HostPlan.pack(*args, options=PlanOptions(index_topk=64), bucket=Bucket(4, 256)) for _ in range(2))
+    assert a.route is b.route and a.packer.parts[0] is not b.packer.parts[0]
+    for array in (a.query_lens, a.row_index, a.route.decode_reqs):
+        with pytest.raises(ValueError):
+            array[0] = 7
+    with pytest.raises(TypeError):
+        a.route.rows["sparse_decode"] = 0

@@ -430,15 +430,6 @@ def _pack(lay: _Layout, tables, ids, src, logits_rows, routed: Route) -> tuple[d
     return spec, pack
 
 
-def _decode_row_index(query: np.ndarray, num_tokens: int, next_n: int) -> np.ndarray:
-    """``[T]`` int64, the plan row of each row given of a graph bucket's step (``query`` ``[B]``, each at most
-    ``next_n``, ``T`` in all): request ``i``'s rows end at plan row ``(i + 1) * next_n - 1``."""
-    if num_tokens == len(query) * next_n:  # every request full (plain decode; a verify step of every draft)
-        return np.arange(num_tokens)
-    ends = np.cumsum(query)
-    return np.repeat(np.arange(next_n, (len(query) + 1) * next_n, next_n) - ends, query) + np.arange(num_tokens)
-
-
 class _DecodeFacts(NamedTuple):
     """What every step of one graph bucket and row count shares (:func:`_decode_facts`; read-only)."""
     query_lens: np.ndarray  # [B'] int64, next_n each
