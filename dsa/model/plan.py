@@ -16,6 +16,10 @@ padded in front to ``next_n``. Row ``j`` of a decode request of ``S`` tokens sit
 tokens sit at their own positions, and the padding rows in front of them see only positions cached
 before the step and write nowhere (``row_to_req`` -1); nothing returns their outputs.
 :attr:`HostPlan.row_index` maps the rows given to the plan's.
+
+A step padded to a graph bucket packs by its own path (``HostPlan._decode``): its layout is fixed per bucket
+and row count (cached: :func:`_decode_facts`) and its values are each request's length, table row, ids and
+src, written into a copy of the bucket's template by a few whole-array ops; the bytes are the general path's.
 """
 import dataclasses
 import functools
