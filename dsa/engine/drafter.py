@@ -46,6 +46,8 @@ class Slots:
 
 def pad_to(values, size: int, fill: int) -> np.ndarray:
     """``values`` then ``fill`` up to ``size`` entries (int32: an index of the step's packed upload)."""
+    if len(values) == size:
+        return np.asarray(values, np.int32)
     out = np.full(size, fill, np.int32)
     out[:len(values)] = values
     return out

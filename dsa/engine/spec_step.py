@@ -85,23 +85,24 @@ def pack(runner, out) -> SpecStep:
     rows = batch.rows(out.rids)
     q, c, k = (np.asarray(a, np.int64) for a in (out.num_rows, out.computed, out.num_drafts))
     sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
-    ks = k[sampled]
+    at = slice(None) if len(sampled) == len(q) else sampled  # (every request sampled: in row order, 0 .. B - 1)
+    ks = k[at]
     drafts = int(ks.sum())
     ends, nxt = np.cumsum(q), c + q  # each request's rows end before; its next position
     full = drafts == len(ks) * n  # every sampled request carries N drafts
     each = n + 1 if len(q) and ends[-1] == len(q) * (n + 1) and full and len(ks) == len(q) else None  # (each one
     # of >= N + 1 rows: its last token, then its drafts)
     ids, src = batch.input_ids(rows, q, c, each)
-    base = (ends - 1 - k)[sampled]  # the row of each sampled request's last token
+    base = (ends - 1 - k)[at]  # the row of each sampled request's last token
     src = _draft_src(np.full(len(ids), -1) if src is None else src, base, ks, drafts, n)
-    batch.expect(rows[sampled], (nxt - k)[sampled], sampled)  # each one's sampled place
+    batch.expect(rows[at], (nxt - k)[at], sampled)  # each one's sampled place
     after = np.maximum(batch.token_ids[rows, np.minimum(nxt, batch.token_ids.shape[1] - 1)], 0)  # each one's next id
     offsets = np.arange(n + 1) if full else np.minimum(np.arange(n + 1), ks[:, None])  # [S, N + 1]
     width = max(batch.num_blocks[rows].max(initial=1), 1)
     host = HostPlan.pack(q, c, batch.block_table[rows, :width], runner.model.config.block_size, runner.device,
                          options=runner.plan_options, input_ids=ids, input_src=src, graphs=runner.use_graphs,
                          next_n=n + 1, logits_rows=(base[:, None] + offsets).reshape(-1))
-    slots = Slots(rows[sampled], c[sampled], ks, len(sampled) if host.bucket is None else host.bucket.rows,
+    slots = Slots(rows[at], c[at], ks, len(sampled) if host.bucket is None else host.bucket.rows,
                   host.bucket)
     return _packed(runner, host, slots, sampled, rows, host.row_index[base], host.row_index[ends - 1], after)
 
