@@ -58,7 +58,7 @@ def check_same_device(**tensors) -> torch.device:
 def check_int(name: str, value, *, minimum: int | None = None) -> int:
     """``value`` as a Python int; TypeError naming ``name`` unless it is an integer (Python or numpy;
     never a bool, a float or a tensor), ValueError when it is below ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
     value = int(value)
     if minimum is not None and value < minimum:

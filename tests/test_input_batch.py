@@ -109,13 +109,15 @@ def test_a_pending_id_is_read_from_the_step_that_samples_it():
     sp = SamplingParams(temperature=0)
     batch.apply(SchedulerOutput(new=[NewRequest(7, [1, 2, 3], [0], sp, 0), NewRequest(9, [4, 5], [1], sp, 0)]))
     rows = batch.rows([9, 7])
-    ids, src = batch.input_ids(rows, np.array([2, 3]), np.array([0, 0]), decode_only=False)
+    ids, src = batch.input_ids(rows, np.array([2, 3]), np.array([0, 0]), each=None)
     assert ids.tolist() == [4, 5, 1, 2, 3] and src is None
+    ids, src = batch.input_ids(rows, np.array([2, 2]), np.array([0, 1]), each=2)  # as many rows each: a grid
+    assert ids.tolist() == [4, 5, 2, 3] and src is None
     batch.expect(rows, np.array([2, 3]), np.array([0, 1]))  # both sample their next token: 9 in row 0, 7 in row 1
-    ids, src = batch.input_ids(batch.rows([7, 9]), np.array([1, 1]), np.array([3, 2]), decode_only=True)
+    ids, src = batch.input_ids(batch.rows([7, 9]), np.array([1, 1]), np.array([3, 2]), each=1)
     assert ids.tolist() == [PENDING, PENDING] and src.tolist() == [1, 0]
     batch.apply(SchedulerOutput(tokens={9: [(2, 6)]}))  # the host learned 9's token first
-    ids, src = batch.input_ids(batch.rows([7, 9]), np.array([1, 1]), np.array([3, 2]), decode_only=True)
+    ids, src = batch.input_ids(batch.rows([7, 9]), np.array([1, 1]), np.array([3, 2]), each=1)
     assert ids.tolist() == [PENDING, 6] and src.tolist() == [1, -1]
 
 

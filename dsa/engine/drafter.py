@@ -45,8 +45,10 @@ class Slots:
 
 
 def pad_to(values, size: int, fill: int) -> np.ndarray:
-    """``values`` then ``fill`` up to ``size`` entries (int64)."""
-    out = np.full(size, fill, np.int64)
+    """``values`` then ``fill`` up to ``size`` entries (int32: an index of the step's packed upload)."""
+    if len(values) == size:
+        return np.asarray(values, np.int32)
+    out = np.full(size, fill, np.int32)
     out[:len(values)] = values
     return out
 
@@ -84,8 +86,9 @@ class MTPDrafter:
         batch, p = runner.batch, self.model.config.block_size
         b = slots.bucket
         width = max(int(batch.num_blocks[slots.rows].max(initial=1)), 1) if b is None else b.max_seq_len // p
-        return HostPlan.pack([1] * len(context), context, batch.block_table[slots.rows, :width], p, self.model.device,
-                             options=runner.plan_options, bucket=None if b is None else Bucket(b.rows, b.max_seq_len))
+        return HostPlan.pack(np.ones(len(context), np.int64), context, batch.block_table[slots.rows, :width], p,
+                             runner.device, options=runner.plan_options,
+                             bucket=None if b is None else Bucket(b.rows, b.max_seq_len))
 
     def draft(self, runner, step, buf: torch.Tensor) -> torch.Tensor:
         part = step.packed.part

@@ -455,8 +455,9 @@ class Engine:
         n = self.speculative_tokens
         rows = step.packed.rows()
         results, reasons, kept = [], [], []
-        for sampled, row in zip(step.sampled, rows):
-            req, a = sampled.request, int(row[n + 1])
+        accepted = [int(row[n + 1]) for row in rows]
+        for sampled, row, a in zip(step.sampled, rows, accepted):
+            req = sampled.request
             if self._requests.get(req.rid) is not req:
                 kept.append(0)
                 continue  # finished or aborted meanwhile
@@ -469,7 +470,7 @@ class Engine:
             results.append((sampled, tokens, reason is not None))
             reasons.append(reason)
             kept.append(len(tokens))
-        speculative.count(self._stats.spec, step, np.asarray([int(r[n + 1]) for r in rows], np.int64), kept)
+        speculative.count(self._stats.spec, step, accepted, kept)
         self.scheduler.update(results)
         produced = {}
         for (sampled, tokens, _), reason in zip(results, reasons):

@@ -62,12 +62,15 @@ class InputBatch:
         """The rows of these requests, [B] int64."""
         return np.fromiter(map(self.row_of.__getitem__, rids), np.int64, len(rids))
 
-    def input_ids(self, rows: np.ndarray, num_rows: np.ndarray, computed: np.ndarray, decode_only: bool) -> tuple:
+    def input_ids(self, rows: np.ndarray, num_rows: np.ndarray, computed: np.ndarray, each: int | None) -> tuple:
         """``(ids [T] int32, src)``: the ids of the step's rows (request ``i``: positions
-        ``computed[i] ..`` of row ``rows[i]``), and ``src [T]``: for an id still PENDING, the row
-        of the last step run that samples it (-1 elsewhere); None when no id is pending."""
-        if decode_only:
+        ``computed[i] ..`` of row ``rows[i]``, ``num_rows[i]`` of them; ``each``: every request's
+        count when they are all the same, else None), and ``src [T]``: for an id still PENDING, the
+        row of the last step run that samples it (-1 elsewhere); None when no id is pending."""
+        if each == 1:
             where, positions = rows, computed
+        elif each is not None:  # a grid
+            where, positions = np.repeat(rows, each), (computed[:, None] + np.arange(each)).reshape(-1)
         else:
             where = np.repeat(rows, num_rows)
             positions = np.arange(len(where)) - np.repeat(np.cumsum(num_rows) - num_rows - computed, num_rows)

@@ -64,6 +64,7 @@ class ModelRunner:
                  max_model_len: int | None = None, mtp_caches: bool = False, speculative_tokens: int = 0,
                  drafter=None):
         self.model = model
+        self.device = model.device  # (a module's device property walks its parameters: read once)
         self.drafter = drafter  # a speculating runner's (dsa.engine.drafter): its passes run inside the step
         self.next_n = check_int("speculative_tokens", speculative_tokens, minimum=0) + 1  # rows per decode request
         self.caches = model.allocate_caches(num_blocks, mtp=True) if mtp_caches else model.allocate_caches(num_blocks)
@@ -99,14 +100,14 @@ class ModelRunner:
         q, c = out.num_rows, out.computed
         decode_only = all(n == 1 for n in q)
         ends = np.add(c, q)  # each request's next token: the one sampled, where the row samples
-        ids, src = batch.input_ids(rows, np.asarray(q), np.asarray(c), decode_only)
+        ids, src = batch.input_ids(rows, np.asarray(q), np.asarray(c), 1 if decode_only else None)
         if src is not None and previous is None:
             raise RuntimeError("run: an input token is still being sampled, but no previous step's tokens were given")
         sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
         batch.expect(rows[sampled], ends[sampled], sampled)
         sampling = batch.sampling.take(rows, ends)
         width = max(batch.num_blocks[rows].max(initial=1), 1)
-        host = HostPlan.pack(q, c, batch.block_table[rows, :width], self.model.config.block_size, self.model.device,
+        host = HostPlan.pack(q, c, batch.block_table[rows, :width], self.model.config.block_size, self.device,
                              options=self.plan_options, input_ids=ids, input_src=src, graphs=self.use_graphs)
         logits, graph = self._launch(host, None if src is None else previous)
         return StepResult(logits[:len(q)], sampling, host.route.rows, host.route.workspace_bytes, graph)

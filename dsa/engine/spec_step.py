@@ -37,6 +37,7 @@ class SpecStep:
     sampled: np.ndarray  # [S] the step index of each sampled request
     rows: np.ndarray  # [B] the requests' rows of the input batch
     slots: int  # S': S, or the graph bucket's rows
+    num_drafts: np.ndarray  # [S] drafts each sampled request carries
 
     @property
     def host(self) -> HostPlan:
@@ -83,24 +84,38 @@ def pack(runner, out) -> SpecStep:
     batch, n = runner.batch, runner.next_n - 1
     rows = batch.rows(out.rids)
     q, c, k = (np.asarray(a, np.int64) for a in (out.num_rows, out.computed, out.num_drafts))
-    ids, src = batch.input_ids(rows, q, c, False)
-    first = np.cumsum(q) - q
     sampled = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
-    base = first[sampled] + q[sampled] - 1 - k[sampled]  # the row of each sampled request's last token
-    if k.any():
-        src = np.full(len(ids), -1) if src is None else src
-        for s, i in enumerate(sampled.tolist()):
-            src[base[s] + 1:base[s] + 1 + k[i]] = s * n + np.arange(k[i])
-    batch.expect(rows[sampled], (c + q - k)[sampled], sampled)  # each one's sampled place
-    after = batch.token_ids[rows, np.minimum(c + q, batch.token_ids.shape[1] - 1)].clip(0)  # each one's next id
-    offsets = np.minimum(np.arange(n + 1)[None, :], k[sampled][:, None])  # [S, N + 1]
+    at = slice(None) if len(sampled) == len(q) else sampled  # (every request sampled: in row order, 0 .. B - 1)
+    ks = k[at]
+    drafts = int(ks.sum())
+    ends, nxt = np.cumsum(q), c + q  # each request's rows end before; its next position
+    full = drafts == len(ks) * n  # every sampled request carries N drafts
+    each = n + 1 if len(q) and ends[-1] == len(q) * (n + 1) and full and len(ks) == len(q) else None  # (each one
+    # of >= N + 1 rows: its last token, then its drafts)
+    ids, src = batch.input_ids(rows, q, c, each)
+    base = (ends - 1 - k)[at]  # the row of each sampled request's last token
+    src = _draft_src(np.full(len(ids), -1) if src is None else src, base, ks, drafts, n)
+    batch.expect(rows[at], (nxt - k)[at], sampled)  # each one's sampled place
+    after = np.maximum(batch.token_ids[rows, np.minimum(nxt, batch.token_ids.shape[1] - 1)], 0)  # each one's next id
+    offsets = np.arange(n + 1) if full else np.minimum(np.arange(n + 1), ks[:, None])  # [S, N + 1]
     width = max(batch.num_blocks[rows].max(initial=1), 1)
-    host = HostPlan.pack(q, c, batch.block_table[rows, :width], runner.model.config.block_size, runner.model.device,
+    host = HostPlan.pack(q, c, batch.block_table[rows, :width], runner.model.config.block_size, runner.device,
                          options=runner.plan_options, input_ids=ids, input_src=src, graphs=runner.use_graphs,
                          next_n=n + 1, logits_rows=(base[:, None] + offsets).reshape(-1))
-    slots = Slots(rows[sampled], c[sampled], k[sampled], len(sampled) if host.bucket is None else host.bucket.rows,
+    slots = Slots(rows[at], c[at], ks, len(sampled) if host.bucket is None else host.bucket.rows,
                   host.bucket)
-    return _packed(runner, host, slots, sampled, rows, host.row_index[base], host.row_index[first + q - 1], after)
+    return _packed(runner, host, slots, sampled, rows, host.row_index[base], host.row_index[ends - 1], after)
+
+
+def _draft_src(src: np.ndarray, base: np.ndarray, drafts: np.ndarray, total: int, n: int) -> np.ndarray:
+    """``src [T]`` with each draft row's: draft row ``j`` of sampled request ``s`` (rows ``base[s] + 1 ..``,
+    ``drafts[s]`` of them, ``[S]`` each, ``total`` in all) reads draft ``s * n + j``."""
+    if total == len(drafts) * n:  # every request carries N drafts: a grid
+        src[(base[:, None] + np.arange(1, n + 1)).reshape(-1)] = np.arange(total)
+    elif total:
+        j = np.arange(total) - np.repeat(np.cumsum(drafts) - drafts, drafts)
+        src[np.repeat(base + 1, drafts) + j] = np.repeat(np.arange(len(drafts)) * n, drafts) + j
+    return src
 
 
 def padding_step(runner, bucket: Bucket) -> SpecStep:
@@ -112,13 +127,13 @@ def padding_step(runner, bucket: Bucket) -> SpecStep:
 
 def _packed(runner, host: HostPlan, slots: Slots, sampled, rows, base, last, after) -> SpecStep:
     """The step's parts in one buffer; the plan's row count ``T'`` is the scratch row of its row indices."""
-    t = int(host.query_lens.sum())
+    t = host.spec["positions"][1]  # T': a position per plan row
     reqs = len(rows) if host.bucket is None else host.bucket.rows
     plans, arrays = runner.drafter.prepare(runner, slots)
     packed = PackedStep({"verify": host, **plans},
                         {"num_drafts": pad_to(slots.num_drafts, slots.size, 0), "base": pad_to(base, slots.size, t),
                          "last": pad_to(last, reqs, t), "after": pad_to(after, reqs, 0), **arrays})
-    return SpecStep(packed, sampled, rows, slots.size)
+    return SpecStep(packed, sampled, rows, slots.size, slots.num_drafts)
 
 
 def draft_verify(runner, step: SpecStep, buf: torch.Tensor) -> tuple:
@@ -145,8 +160,8 @@ def observe(runner, step: SpecStep, buf: torch.Tensor, hidden, tokens, accepted)
 def capture(runner, bucket: Bucket) -> SpecGraph:
     """Capture a verify bucket's two passes on its padding step (into ``runner.graphs``)."""
     step = padding_step(runner, bucket)
-    buf = torch.zeros(step.packed.size, dtype=torch.int32, device=runner.model.device)
-    step.packed.upload(runner.model.device, buf)
+    buf = torch.zeros(step.packed.size, dtype=torch.int32, device=runner.device)
+    step.packed.upload(runner.device, buf)
     first, outputs = runner.record(lambda: draft_verify(runner, step, buf))
     first.replay()  # a captured graph has not run: its outputs (the indices the second pass reads) hold nothing yet
     second, (packed,) = runner.record(lambda: observe(runner, step, buf, *outputs[2:]))
@@ -157,7 +172,7 @@ def capture(runner, bucket: Bucket) -> SpecGraph:
 def run(runner, out) -> SpecResult:
     """Pack a step, upload it once and run its first pass (by its bucket's graph when it has one)."""
     step = pack(runner, out)
-    device = runner.model.device
+    device = runner.device
     if step.bucket is None:
         buf = step.packed.upload(device, staging=runner.staging)
         return SpecResult(step, buf, *draft_verify(runner, step, buf), None)

@@ -98,8 +98,7 @@ def rejection_args(runner, out, step, n: int, vocab_hash: torch.Tensor) -> dict:
     """The rejection sampler's per-request parameters and per-row noise keys (the row ``j`` of a
     request samples the token at its sampled index + j); none when every request is greedy (the argmax
     path reads none: no upload)."""
-    req = np.fromiter((s.row for s in out.sampled), np.int64, len(out.sampled))
-    rows, sr = step.rows[req], runner.batch.sampling
+    rows, sr = step.rows[step.sampled], runner.batch.sampling
     if sr.greedy[rows].all():
         return dict(all_greedy=True)
     index = np.fromiter((x.index for x in out.sampled), np.int64, len(out.sampled))
@@ -114,7 +113,7 @@ def launch(engine, out) -> VerifiedStep:
     """Draft, verify, accept, observe: one step on the device (:mod:`dsa.engine.spec_step`: one upload, two
     passes or their graphs), its tokens on their way to the host."""
     runner, n = engine.runner, engine.speculative_tokens
-    clock = _Clock(engine.model.device)
+    clock = _Clock(runner.device)
     runner.batch.apply(out)
     clock.mark()
     result = spec_step.run(runner, out)
@@ -133,20 +132,20 @@ def launch(engine, out) -> VerifiedStep:
     s.graph_steps += result.graph is not None
     packed = packed if len(out.sampled) else torch.zeros(0, n + 2, dtype=torch.float64)
     packed = PendingSample(packed, packed, None, None, engine.sampler.staging)  # read when the step finishes
-    k = np.asarray(out.num_drafts, np.int64)[[x.row for x in out.sampled]] if out.sampled else np.zeros(0, np.int64)
-    return VerifiedStep(out.sampled, packed, clock, k)
+    return VerifiedStep(out.sampled, packed, clock, result.step.num_drafts)
 
 
-def count(stats: SpecStats, step: VerifiedStep, accepted: np.ndarray, emitted: list) -> None:
-    """Speculation's counters for a finished step (``emitted``: tokens each sampled request kept)."""
-    k = step.num_drafts
-    if not k.any():  # a prefill step, or one whose requests could take no draft: not a verify step's cost
+def count(stats: SpecStats, step: VerifiedStep, accepted: list, emitted: list) -> None:
+    """Speculation's counters for a finished step (``accepted``: drafts each sampled request accepted;
+    ``emitted``: tokens each kept)."""
+    k = step.num_drafts.tolist()
+    if not any(k):  # a prefill step, or one whose requests could take no draft: not a verify step's cost
         return
     spans = step.clock.spans()
     stats.verify_s += spans[0]
     stats.draft_s += spans[1]
     stats.verify_steps += 1
-    for kk, a, e in zip(k.tolist(), accepted.tolist(), emitted):
+    for kk, a, e in zip(k, accepted, emitted):
         if not kk:
             continue
         stats.requests += 1

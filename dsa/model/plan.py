@@ -16,8 +16,16 @@ padded in front to ``next_n``. Row ``j`` of a decode request of ``S`` tokens sit
 tokens sit at their own positions, and the padding rows in front of them see only positions cached
 before the step and write nowhere (``row_to_req`` -1); nothing returns their outputs.
 :attr:`HostPlan.row_index` maps the rows given to the plan's.
+
+A step padded to a graph bucket packs by its own path (``HostPlan._decode``): its layout is fixed per bucket
+and row count (cached: :func:`_decode_facts`) and its values are each request's length, table row, ids and
+src, written into a copy of the bucket's template by a few whole-array ops; the bytes are the general path's.
 """
+import dataclasses
+import functools
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,7 +33,7 @@ import torch
 from dsa.indexer.batch import DecodeRows, IndexerBatch, PrefillRows, Segment
 from dsa.kernels import positions_to_slots
 from dsa.kernels.common import cdiv, check_int
-from dsa.model.route import PATHS, Bucket, PlanOptions, Route, graph_bucket, route
+from dsa.model.route import PATHS, Bucket, PlanOptions, Route, decode_route, graph_bucket, route
 
 __all__ = ["PATHS", "BatchPlan", "Bucket", "HostPlan", "PlanOptions"]
 
@@ -59,7 +67,7 @@ class _Packer:
         if out is None:
             out = host.to(device, non_blocking=True)
         else:
-            out[:self.size].copy_(host, non_blocking=True)
+            (out if out.numel() == self.size else out[:self.size]).copy_(host, non_blocking=True)
         if slot is not None:
             staging.give_back(slot, copied=True)
         return out
@@ -102,7 +110,7 @@ def _check_lengths(query_lens, context_lens) -> tuple[np.ndarray, np.ndarray]:
     context = np.asarray(context_lens, dtype=np.int64).reshape(-1)
     if query.shape != context.shape:
         raise ValueError(f"context_lens: expected {len(query)} entries (one per request), got {len(context)}")
-    if (query < 1).any() or (context < 0).any():
+    if query.min(initial=1) < 1 or context.min(initial=0) < 0:
         raise ValueError("query_lens: every request needs >= 1 new token and context_lens >= 0")
     return query, context
 
@@ -134,7 +142,7 @@ def _choose_bucket(query: np.ndarray, longest: int, block_size: int, bucket: Buc
         raise TypeError(f"bucket: expected a Bucket, got {type(bucket).__name__}")
     if bucket.next_n != next_n:
         raise ValueError(f"bucket: its next_n {bucket.next_n} is not the step's next_n {next_n}")
-    if (query > next_n).any() or bucket.rows < len(query):
+    if query.max(initial=0) > next_n or bucket.rows < len(query):
         raise ValueError(f"bucket: padding needs a decode-only step of <= {bucket.rows} requests of <= {next_n} "
                          f"new tokens, got query_lens {query.tolist()}")
     if bucket.max_seq_len < longest:
@@ -264,27 +272,55 @@ class HostPlan:
         next_n = check_int("next_n", next_n, minimum=1)
         query, context = _check_lengths(query_lens, context_lens)
         seq = context + query
-        longest = int(seq.max()) if len(seq) else 0
+        longest, t = int(seq.max(initial=0)), int(query.sum())
         bucket = _choose_bucket(query, longest, block_size, bucket, graphs, next_n)
         num_requests, num_rows = len(query), len(query) if bucket is None else bucket.rows
         width = None if bucket is None else cdiv(bucket.max_seq_len, block_size)
         tables = _block_array(block_tables, num_requests, width, num_rows)
-        if (cdiv(seq, block_size) > tables.shape[1]).any():
+        if bucket is None and (cdiv(seq, block_size) > tables.shape[1]).any():  # (a bucket's tables are wide enough)
             raise ValueError(f"block_tables: expected [B={num_requests}, >= ceil(S / {block_size})] blocks per "
                              f"request, got {list(tables.shape)} for seq_lens {seq.tolist()}")
-        ids, src = _check_ids(input_ids, input_src, int(query.sum()))
-        rows = _logits_rows(logits_rows, int(query.sum()))
+        ids, src = _check_ids(input_ids, input_src, t)
+        rows = _logits_rows(logits_rows, t)
+        if bucket is not None:
+            return cls._decode(query, seq, tables, ids, src, rows, t, block_size, device, options, bucket)
+        return cls._general(query, context, seq, tables, ids, src, rows, block_size, device, options, None, next_n)
+
+    @classmethod
+    def _general(cls, query, context, seq, tables, ids, src, rows, block_size: int, device, options: PlanOptions,
+                 bucket: Bucket | None, next_n: int) -> "HostPlan":
+        """:meth:`pack` of checked inputs (``tables`` ``[B', MB]`` int32, ``rows`` None or ``[R]`` int64): the
+        layout, the route and the parts by the general arrays. :meth:`pack` takes it for every step but a
+        graph bucket's (:meth:`_decode`, whose plans the tests compare with this one's at a ``bucket``)."""
+        num_requests, num_rows = len(query), len(query) if bucket is None else bucket.rows
         lay = _Layout.of(query, context, seq, next_n, num_rows)
         if ids is not None:
             ids, src = lay.scatter(ids, 0), lay.scatter(src, -1)
         rows = lay.first_row + lay.query - 1 if rows is None else lay.row_index[rows]
         if bucket is not None and len(rows) < bucket.rows * next_n:
             rows = np.concatenate((rows, np.zeros(bucket.rows * next_n - len(rows), np.int64)))
-        max_seq_len = longest if bucket is None else bucket.max_seq_len
+        max_seq_len = int(seq.max(initial=0)) if bucket is None else bucket.max_seq_len
         routed = route(lay.query, lay.start, lay.first_row, num_requests, max_seq_len, options, next_n, lay.new)
         spec, packer = _pack(lay, tables, ids, src, rows, routed)
         return cls(lay.query, lay.start, num_requests, block_size, options.index_topk, max_seq_len,
                    torch.device(device), bucket, routed, spec, packer, next_n, lay.row_index)
+
+    @classmethod
+    def _decode(cls, query, seq, tables, ids, src, rows, num_tokens: int, block_size: int, device,
+                options: PlanOptions, bucket: Bucket) -> "HostPlan":
+        """:meth:`_general` of a decode-only step padded to a graph ``bucket`` (``query`` ``[B]`` of at most
+        ``bucket.next_n`` each, ``seq`` ``[B]`` int64, ``tables`` ``[rows, width]`` int32): the same plan, its
+        parts written into one int32 buffer by a few whole-array ops (:func:`_decode_parts`)."""
+        n, num_rows = bucket.next_n, bucket.rows
+        num_logits = num_rows * n if rows is None else max(len(rows), num_rows * n)
+        facts = _decode_facts(bucket, len(query), num_tokens, num_logits, ids is not None, tables.shape[1],
+                              options.index_topk)
+        row_index = facts.row_index if facts.row_index is not None else _decode_row_index(query, num_tokens, n)
+        start = np.zeros(num_rows, np.int64)
+        start[:len(query)] = seq - n  # a decode request's rows end at S - 1; a padding request's sit at 0 ..
+        packer = _decode_parts(facts, start[:len(query)], seq, tables, ids, src, rows, row_index)
+        return cls(facts.query_lens, start, len(query), block_size, options.index_topk, bucket.max_seq_len,
+                   torch.device(device), bucket, facts.route, facts.spec, packer, n, row_index)
 
     def upload(self, out: torch.Tensor | None = None, staging=None) -> torch.Tensor:
         """The packed facts on the device: one non-blocking copy (into ``out`` when given), from a
@@ -366,8 +402,8 @@ def _logits_rows(rows, num_tokens: int) -> np.ndarray | None:
     a = np.asarray(rows.detach().cpu() if isinstance(rows, torch.Tensor) else rows)
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
         raise ValueError(f"logits_rows: expected a 1-D sequence of row indices, got shape {list(a.shape)} {a.dtype}")
-    a = a.astype(np.int64)
-    if a.size and (a.min() < 0 or a.max() >= num_tokens):
+    a = a.astype(np.int64, copy=False)
+    if a.size and int(a.astype(np.uint64).max()) >= num_tokens:  # (one pass: a negative row wraps past 2^63)
         raise ValueError(f"logits_rows: rows must be in [0, {num_tokens}) (the step's rows), got {a.min()}..{a.max()}")
     return a
 
@@ -396,6 +432,82 @@ def _pack(lay: _Layout, tables, ids, src, logits_rows, routed: Route) -> tuple[d
     if routed.sparse:
         spec["sparse_rows"] = pack.add(routed.sparse_rows)
     return spec, pack
+
+
+class _DecodeFacts(NamedTuple):
+    """What every step of one graph bucket and row count shares (:func:`_decode_facts`; read-only)."""
+    query_lens: np.ndarray  # [B'] int64, next_n each
+    spec: dict
+    route: Route
+    row_index: np.ndarray | None  # [T] int64 when every request is full (plan rows 0 .. T - 1), else None
+    template: np.ndarray  # the packed buffer but for the step's own values: each padding entry's fill
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_facts(bucket: Bucket, num_requests: int, num_tokens: int, num_logits: int, with_ids: bool, width: int,
+                  index_topk: int | None) -> _DecodeFacts:
+    """The facts of a graph bucket's step of ``num_requests`` requests, ``num_tokens`` rows given and ``num_logits``
+    logits rows (padded), its block tables ``width`` wide: the same for every such step, so shared by their plans
+    (read-only: the arrays unwritable, the route's row counts a read-only mapping). The template holds the padding
+    requests' positions ``0 ..`` and ``row_to_req`` -1 (every request's own when all are full), zeros for the
+    padding requests' lengths and tables, each request's last row as its logits row (ids 0, src -1)."""
+    num_rows, n = bucket.rows, bucket.next_n
+    rn = num_rows * n
+    table, logits = 2 * rn + num_rows, 2 * rn + num_rows + num_rows * width  # offsets
+    spec = dict(positions=(0, rn), row_to_req=(rn, rn), seq_lens=(2 * rn, num_rows), table=(table, (num_rows, width)),
+                logits_rows=(logits, num_logits))
+    end = logits + num_logits
+    if with_ids:
+        spec["ids"], spec["src"] = (end, rn), (end + rn, rn)
+    template = np.zeros(end + (2 * rn if with_ids else 0), np.int32)
+    template[:rn] = np.tile(np.arange(n), num_rows)
+    template[rn:2 * rn] = -1
+    template[logits:logits + num_rows] = np.arange(n - 1, rn, n)
+    template[end + rn:] = -1
+    row_index = np.arange(num_tokens) if num_tokens == num_requests * n else None
+    if row_index is not None:
+        template[rn:rn + num_tokens] = row_index // n
+    routed = decode_route(num_rows, num_tokens, bucket.max_seq_len, index_topk, n)
+    routed = dataclasses.replace(routed, rows=MappingProxyType(routed.rows))
+    facts = _DecodeFacts(np.full(num_rows, n, np.int64), spec, routed, row_index, template)
+    for a in (facts.query_lens, routed.decode_reqs, row_index, template):
+        if a is not None:
+            a.flags.writeable = False
+    return facts
+
+
+def _decode_row_index(query: np.ndarray, num_tokens: int, next_n: int) -> np.ndarray:
+    """``[T]`` int64, the plan row of each row given of a graph bucket's step (``query`` ``[B]``, each at most
+    ``next_n``, ``T`` in all, some short): request ``i``'s rows end at plan row ``(i + 1) * next_n - 1``."""
+    ends = np.cumsum(query)
+    return np.repeat(np.arange(next_n, (len(query) + 1) * next_n, next_n) - ends, query) + np.arange(num_tokens)
+
+
+def _decode_parts(facts: _DecodeFacts, start, seq, tables, ids, src, rows, row_index) -> _Packer:
+    """:func:`_pack` of a graph bucket's step: ``facts.template`` with the step's own values (``start``/``seq``
+    ``[B]`` int64 each request's first position and length, ``tables`` ``[B', width]`` int32, ``ids``/``src``
+    None or ``[T]``, ``rows`` None or ``[R]`` int64 given rows, ``row_index`` ``[T]`` int64): the same bytes."""
+    spec, b, n = facts.spec, len(seq), facts.route.next_n
+    buf = facts.template.copy()
+    buf[:b * n].reshape(b, n)[:] = start[:, None] + np.arange(n)  # positions
+    if facts.row_index is None:  # (a full step's row_to_req is the template's)
+        buf[n * len(facts.query_lens) + row_index] = row_index // n
+    lens, table, logits = spec["seq_lens"][0], spec["table"][0], spec["logits_rows"][0]
+    buf[lens:lens + b] = seq
+    buf[table:logits] = tables.reshape(-1)
+    if rows is not None:
+        buf[logits:logits + len(rows)] = row_index[rows]
+        buf[logits + len(rows):logits + spec["logits_rows"][1]] = 0
+    if ids is not None:
+        for name, values in (("ids", ids), ("src", src)):
+            at = spec[name][0]
+            if facts.row_index is not None:
+                buf[at:at + len(values)] = values
+            else:
+                buf[at + row_index] = values
+    packer = _Packer()
+    packer.parts, packer.size = [buf], buf.size
+    return packer
 
 
 class PackedStep:

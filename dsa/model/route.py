@@ -88,7 +88,7 @@ def graph_bucket(query_lens: np.ndarray, longest: int, block_size: int, next_n: 
     tokens) of at most ``BATCH_BUCKETS[-1]`` requests (``longest``: its longest request) has one;
     any other step runs eagerly (None)."""
     rows = batch_bucket(len(query_lens))
-    if not len(query_lens) or rows is None or (query_lens > next_n).any():
+    if not len(query_lens) or rows is None or query_lens.max() > next_n:
         return None
     return Bucket(rows, context_bucket(longest, block_size), next_n)
 
@@ -157,6 +157,19 @@ def route(query_lens: np.ndarray, context_lens: np.ndarray, first_row: np.ndarra
                  decode_only=0 < num_decode == len(query_lens), sparse_decode=k is not None,
                  every_position=num_decode > 0 and k is not None and max_seq_len <= k, sparse=sparse, mha=mha,
                  absorbed=absorbed, sparse_rows=sparse_rows, rows=rows, workspace_bytes=workspace)
+
+
+def decode_route(num_rows: int, new_rows: int, max_seq_len: int, index_topk: int | None, next_n: int = 1) -> Route:
+    """:func:`route` of a step padded to a graph bucket of ``num_rows`` requests (every one decodes, the
+    padding ones last) whose real requests have ``new_rows`` new rows, for a model of ``index_topk``
+    (:class:`PlanOptions`): the same Route, without its passes over the arrays."""
+    k = index_topk
+    rows = dict.fromkeys(PATHS, 0)
+    rows["sparse_decode" if k is not None else "dense_decode"] = new_rows
+    return Route(decode_reqs=np.arange(num_rows, dtype=np.int64), next_n=next_n, contiguous=True,
+                 decode_only=num_rows > 0, sparse_decode=k is not None,
+                 every_position=num_rows > 0 and k is not None and max_seq_len <= k, sparse=(), mha=(), absorbed=(),
+                 sparse_rows=_NO_ROWS, rows=rows, workspace_bytes=0)
 
 
 def _prefill_segments(query_lens, context_lens, first_row, prefill_reqs, options: PlanOptions, rows: dict):
