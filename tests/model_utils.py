@@ -27,6 +27,16 @@ def sharp_model(config, seed: int) -> DSAModel:
     return m
 
 
+def spec_model() -> DSAModel:
+    """The speculative-decoding tests' model: 2 layers (FS), index_topk 16, no MoE, an MTP module, exact
+    indexer keys, the byte vocabulary, sharp weights (seed 4)."""
+    from dsa.model.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
+    config = DSAConfig.tiny(num_hidden_layers=2, index_topk=16, index_topk_pattern="FS", n_routed_experts=None,
+                            num_nextn_predict_layers=1, indexer_precision="exact", vocab_size=BYTE_VOCAB_SIZE,
+                            bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID)
+    return sharp_model(config, 4)
+
+
 def greedy_oracle(prompts, outputs):
     """A :class:`~dsa.engine.drafter.ScriptedDrafter` ``propose_fn``: the target's own greedy
     continuation of a request's tokens, from the reference ``outputs`` (0 past their end)."""

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from dsa import DSAConfig, Engine, SamplingParams
+from dsa import Engine, SamplingParams
 from dsa.engine import spec_step
 from dsa.engine.drafter import ScriptedDrafter
-from dsa.model.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
+from dsa.model.byte_vocab import BYTE_VOCAB_SIZE
 from dsa.model.plan import Bucket, HostPlan, PlanOptions
 from dsa.model.route import context_bucket
-from tests.model_utils import greedy_oracle, prompt, sharp_model
+from tests.model_utils import greedy_oracle, prompt, spec_model
 
 P = 16
 
@@ -129,10 +129,7 @@ PROMPTS = [prompt(n, 40 + n, vocab=256) for n in (5, 14, 23, 9, 31)]
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = DSAConfig.tiny(num_hidden_layers=2, index_topk=16, index_topk_pattern="FS", n_routed_experts=None,
-                            num_nextn_predict_layers=1, indexer_precision="exact", vocab_size=V,
-                            bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID)
-    m = sharp_model(config, 4)
+    m = spec_model()
     return m, Engine(m, num_blocks=96).generate(PROMPTS, 8)
 
 

@@ -4,25 +4,22 @@ stop tokens and strings and max_tokens landing inside a draft; the one-line erro
 import pytest
 import torch
 
-from dsa import DSAConfig, Engine, SamplingParams
+from dsa import Engine, SamplingParams
 from dsa.engine.drafter import MTPDrafter, ScriptedDrafter
-from dsa.model.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
+from dsa.model.byte_vocab import BYTE_VOCAB_SIZE
 from dsa.model.mtp import mtp_logits
 from dsa.model.presets import PRESETS, default_model
 from dsa.serve.tokenizer import ByteTokenizer
-from tests.model_utils import greedy_oracle, prompt, sharp_model, tiny_model
+from tests.model_utils import greedy_oracle, prompt, sharp_model, spec_model, tiny_model
 
 V = BYTE_VOCAB_SIZE
-BYTES = dict(vocab_size=V, bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID)
 LENGTHS = (5, 14, 23)  # around index_topk = 16: dense rows, sparse rows, and prompts that cross it
 NEW = 9
 
 
 @pytest.fixture(scope="module")
 def model():
-    config = DSAConfig.tiny(num_hidden_layers=2, index_topk=16, index_topk_pattern="FS", n_routed_experts=None,
-                            num_nextn_predict_layers=1, indexer_precision="exact", **BYTES)
-    return sharp_model(config, 4)
+    return spec_model()
 
 
 def _prompts():

@@ -13,19 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from dsa import DSAConfig, Engine
+from dsa import Engine
 from dsa.engine import spec_step
 from dsa.engine.drafter import ScriptedDrafter
 from dsa.kernels.layouts import indexer_cache_views
 from dsa.model.attention import DSAAttention
-from dsa.model.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
+from dsa.model.byte_vocab import BYTE_VOCAB_SIZE
 from dsa.model.plan import Bucket, HostPlan
 from dsa.model.presets import PRESETS
 from dsa.model.route import graph_bucket
-from tests.model_utils import greedy_oracle, prompt, sharp_model
+from tests.model_utils import greedy_oracle, prompt, sharp_model, spec_model
 
 V = BYTE_VOCAB_SIZE
-BYTES = {"vocab_size": V, "bos_token_id": BYTE_BOS_ID, "eos_token_id": BYTE_EOS_ID}
 # fp32 on both paths; only the kernels differ (prefill: ragged indexer logits, SDPA / absorbed dense or
 # sparse rows; decode: paged logits with next_n rows, sparse MLA over each row's top-k), so the two
 # agree to fp32 summation order: measured <= 1.5e-5 of the largest logit at these shapes
@@ -35,9 +34,7 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module", params=["tiny-exact", "demo-cpu-fp8"])
 def model(request):
     if request.param == "tiny-exact":
-        config = DSAConfig.tiny(num_hidden_layers=2, index_topk=16, index_topk_pattern="FS", n_routed_experts=None,
-                                num_nextn_predict_layers=1, indexer_precision="exact", **BYTES)
-        return sharp_model(config, 4)
+        return spec_model()
     config = PRESETS["demo-cpu"]().replace(num_hidden_layers=2, index_topk=16, block_size=16, intermediate_size=256,
                                            num_nextn_predict_layers=1)  # demo-cpu's attention, FP8 indexer
     return sharp_model(config, 1)
@@ -136,9 +133,7 @@ NEW = 9
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = DSAConfig.tiny(num_hidden_layers=2, index_topk=16, index_topk_pattern="FS", n_routed_experts=None,
-                            num_nextn_predict_layers=1, indexer_precision="exact", **BYTES)
-    m = sharp_model(config, 4)
+    m = spec_model()
     return m, Engine(m, num_blocks=64).generate(PROMPTS, NEW)
 
 
