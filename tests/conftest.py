@@ -9,6 +9,13 @@ multiplies bit patterns, fp32->bf16 truncates, fp32->e4m3 rounds wrongly; triton
 nearest even, as the GPU) and upcasts bf16 dot operands to fp32. Test harness only.
 """
 import os
+import sys
+
+# `python -m pytest` puts the checkout's root first on sys.path, where the folder kernels/ (the source of
+# dsa.kernels, mapped by the install) shadows the PyPI package `kernels`, which transformers >= 5.25 imports
+# (`from kernels import CUDAProperties` failed in every interop test): the tests import dsa as installed.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 # One intra-op thread in every test process (its children, servers and torchrun ranks, inherit it):
 # the tensors are tiny, and on a shared 2-core machine torch's pool of one thread per CPU spins while
@@ -159,7 +166,7 @@ def device():
 def text_checkpoint(tmp_path_factory):
     """A tiny random DeepseekV32ForCausalLM saved by transformers, with a BPE tokenizer.json trained
     in the test (tests/text_utils.py); shared by the text and server tests."""
-    from tests.text_utils import save_text_checkpoint
+    from text_utils import save_text_checkpoint
     folder = tmp_path_factory.mktemp("text_checkpoint")
     save_text_checkpoint(folder)
     return folder

@@ -10,7 +10,7 @@ import torch
 
 import dsa.indexer.lightning as lightning
 from dsa import DSAConfig, DSAModel, Engine
-from tests.model_utils import prompt
+from model_utils import prompt
 
 LENGTHS = (37, 9, 20, 52, 16, 30)  # around index_topk=16: dense, sparse, and prompts crossing it
 NEW = 6

@@ -211,7 +211,7 @@ def test_an_existing_result_file_is_refused_before_any_work(case, tmp_path, monk
 
 
 def test_fit_indexer_refuses_an_existing_indexer_file(tmp_path, monkeypatch):
-    from tests.quality_utils import write_tiny_gguf
+    from quality_utils import write_tiny_gguf
     write_tiny_gguf(tmp_path / "tiny.gguf", seed=0)
     (tmp_path / "fit").mkdir()
     _existing(tmp_path / "fit", "layer_01.safetensors")

@@ -15,7 +15,7 @@ from dsa.engine.drafter import ScriptedDrafter
 from dsa.model.byte_vocab import BYTE_VOCAB_SIZE
 from dsa.model.plan import Bucket, HostPlan, PlanOptions
 from dsa.model.route import context_bucket
-from tests.model_utils import greedy_oracle, prompt, spec_model
+from model_utils import greedy_oracle, prompt, spec_model
 
 P = 16
 

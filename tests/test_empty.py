@@ -107,7 +107,7 @@ def test_topk_with_k_zero_stays_an_error(backend):
 
 @pytest.mark.parametrize("shape", [(0, 5), (2, 0), (0, 0)], ids=["B0", "S0", "B0-S0"])
 def test_model_on_an_empty_batch(shape):
-    from tests.model_utils import tiny_model
+    from model_utils import tiny_model
     model = tiny_model()
     logits = model(torch.zeros(shape, dtype=torch.long))
     assert logits.shape == shape + (model.config.vocab_size,) and logits.dtype == torch.float32

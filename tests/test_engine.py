@@ -9,8 +9,8 @@ import dsa.engine.engine
 import dsa.model.attention
 from dsa import Engine, SamplingParams
 from dsa.engine.engine import CheckedPrompt
-from tests.model_utils import prompt, tiny_model
-from tests.stub_model import VOCAB, StubModel, reference
+from model_utils import prompt, tiny_model
+from stub_model import VOCAB, StubModel, reference
 
 
 @pytest.fixture(scope="module")

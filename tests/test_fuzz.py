@@ -487,9 +487,9 @@ def interpreter_fuzz(calls: int = INTERPRETER_CALLS) -> list:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs without a GPU; test_guards_gpu.py on one")
 def test_fuzz_triton_interpreter_in_a_subprocess():
-    code = ("import tests.conftest; import tests.test_fuzz as f; fails = f.interpreter_fuzz(); "
+    code = ("import conftest; import test_fuzz as f; fails = f.interpreter_fuzz(); "
             "print('\\n'.join(fails)); raise SystemExit(1 if fails else 0)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    here = os.path.dirname(os.path.abspath(__file__))  # (`-c` puts the folder it runs in on sys.path: tests/)
+    done = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"

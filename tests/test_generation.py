@@ -11,7 +11,7 @@ import dsa
 from dsa import Engine, SamplingParams
 from dsa.model.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 from dsa.serve.tokenizer import ByteTokenizer
-from tests.model_utils import prompt, tiny_model
+from model_utils import prompt, tiny_model
 
 BYTES = dict(vocab_size=BYTE_VOCAB_SIZE, bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID)
 

@@ -9,7 +9,7 @@ from dsa import DSAConfig, DSAModel, Engine
 from dsa.engine.drafter import ScriptedDrafter
 from dsa.model.plan import Bucket, HostPlan
 from dsa.model.route import batch_bucket, context_bucket
-from tests.model_utils import greedy_oracle
+from model_utils import greedy_oracle
 
 pytestmark = pytest.mark.gpu
 

@@ -18,8 +18,8 @@ from dsa.model.route import GEMM_ROW_ALIGN
 from dsa.serve.engine_loop import EngineLoop
 from dsa.serve.host_memory import GCPauses, freeze_after_warmup, resident_by_kind, structure_sizes
 from dsa.serve.metrics import prometheus_text
-from tests.model_utils import tiny_model
-from tests.stub_model import VOCAB, StubModel
+from model_utils import tiny_model
+from stub_model import VOCAB, StubModel
 
 # Bytes of prefix-cache bookkeeping per cached block: ~240 on a 360K-block pool, up to ~2x that on a small
 # one (its dicts grow by doubling, and this measures a fraction of a doubling).

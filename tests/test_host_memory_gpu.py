@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend
 from dsa.kernels import compiles
 from dsa.model import attention
 from dsa.serve.host_memory import resident_by_kind
-from tests.test_host_memory import _mha_engine
+from test_host_memory import _mha_engine
 
 pytestmark = pytest.mark.gpu
 

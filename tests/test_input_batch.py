@@ -12,8 +12,8 @@ from dsa import Engine, SamplingParams
 from dsa.engine.input_batch import InputBatch
 from dsa.engine.sampling import SamplingBatch
 from dsa.engine.scheduler import PENDING, NewRequest, SchedulerOutput
-from tests.model_utils import prompt
-from tests.stub_model import VOCAB, StubModel, reference
+from model_utils import prompt
+from stub_model import VOCAB, StubModel, reference
 
 COLUMNS = ("temperature", "top_p", "min_p", "top_k", "greedy", "sorts", "seed_key", "logprobs")
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from dsa import DSAConfig, DSAModel
 from dsa.model.loading import FP8_BLOCK, dequantize_fp8_block
-from tests.model_utils import tiny_model
+from model_utils import tiny_model
 
 HF_CONFIG = dict(model_type="deepseek_v32", vocab_size=512, hidden_size=256, intermediate_size=512,
                  moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, q_lora_rank=128,

@@ -15,7 +15,7 @@ from dsa.kernels.common import cdiv
 from dsa.model.presets import PRESETS, default_model
 from dsa.model.route import context_bucket, context_buckets
 from dsa.serve.engine_loop import EngineLoop, prefill_progress
-from tests.model_utils import prompt, tiny_model
+from model_utils import prompt, tiny_model
 
 WARNED = "past the RoPE's trained range"
 

@@ -12,7 +12,7 @@ from dsa import DSAConfig, DSAModel
 from dsa.config import bytes_per_token
 from dsa.model.mtp import mtp_logits
 from dsa.model.presets import DEFAULT_CHECKPOINT, default_model
-from tests.model_utils import tiny_model
+from model_utils import tiny_model
 
 
 def _ids(b: int, s: int, seed: int = 0, vocab: int = 512) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dsa.quality import choices, needle, needle_file
 from dsa.quality.corpus import read_streams, sample_window
 from dsa.quality.selection import indexer_config, rope_tables, save_indexer
 from dsa.quality.teacher import LlamaTeacher, selection_mask
-from tests.quality_utils import write_tiny_gguf
+from quality_utils import write_tiny_gguf
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 WORDS = ["the", "pass", "key", "in", "here", "there", "12", "7", "at", "he", "river.", "house."]

@@ -75,7 +75,7 @@ def spawn(fn, world, *args):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """The ranks' results for random V3.2 and GLM-MoE-DSA models and a checkpoint saved by transformers."""
-    from tests.test_interop import _save
+    from test_interop import _save
     out = tmp_path_factory.mktemp("tp")
     _save("deepseek_v32", out / "hf")
     spawn(_worker, 2, str(out))
@@ -115,8 +115,8 @@ def test_each_rank_reads_only_its_shard_of_fp8_blocks(rank, tmp_path):
     the blocks of its own rows."""
     from dsa.model.loading import read_pretrained
     from dsa.model.parallel import TensorParallel
-    from tests.model_utils import tiny_model
-    from tests.test_loading import _hf_tensors, _quantize_fp8_block, _write
+    from model_utils import tiny_model
+    from test_loading import _hf_tensors, _quantize_fp8_block, _write
     tensors = {}
     for k, v in _hf_tensors(tiny_model(seed=3, block_size=16)).items():
         if v.dim() == 2 and "proj" in k and v.shape[0] >= 64:

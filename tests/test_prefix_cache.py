@@ -5,7 +5,7 @@ import torch
 
 import dsa.indexer.lightning as lightning
 from dsa import Engine
-from tests.model_utils import prompt, tiny_model
+from model_utils import prompt, tiny_model
 
 P = 16  # tiny_model's block size; index_topk 16: a 3-block prefix reaches into the sparse range
 

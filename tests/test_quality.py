@@ -24,7 +24,7 @@ from dsa.quality.selection import (
     warmup_kl,
 )
 from dsa.quality.teacher import LlamaTeacher, attention_probs
-from tests.quality_utils import write_tiny_gguf
+from quality_utils import write_tiny_gguf
 
 
 def peaked_probs(q: int, t: int, queries: torch.Tensor, seed: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from dsa.cli import main
 from dsa.quality.recall import _recall, measure
-from tests.model_utils import tiny_model
+from model_utils import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from dsa.quality.fit import fit, heldout_kl, sample_queries, sparse_phase, step_
 from dsa.quality.retrieval_mix import copy_window, needle_window, retrieval_window, window_source
 from dsa.quality.selection import indexer_config, indexer_logits, rope_tables, topk_mask, warmup_kl
 from dsa.quality.teacher import LlamaTeacher, attention_probs
-from tests.quality_utils import write_tiny_gguf
+from quality_utils import write_tiny_gguf
 
 WORDS = ["the", "pass", "key", "in", "here", "there", "12", "7", "at", "he", "river.", "house."]
 

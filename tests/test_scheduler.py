@@ -8,8 +8,8 @@ import pytest
 
 from dsa import Engine, SamplingParams
 from dsa.engine.scheduler import PENDING, Request, Scheduler
-from tests.model_utils import prompt, tiny_model
-from tests.stub_model import VOCAB, StubModel, reference
+from model_utils import prompt, tiny_model
+from stub_model import VOCAB, StubModel, reference
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from dsa.engine.drafter import ScriptedDrafter, Slots
 from dsa.model.byte_vocab import BYTE_VOCAB_SIZE
 from dsa.model.plan import Bucket, HostPlan, PackedStep
 from dsa.testing import StepOps
-from tests.model_utils import greedy_oracle, prompt, spec_model
+from model_utils import greedy_oracle, prompt, spec_model
 
 V = BYTE_VOCAB_SIZE
 PROMPTS = [prompt(n, 50 + n, vocab=256) for n in (5, 14, 23)]

@@ -10,7 +10,7 @@ from dsa.model.byte_vocab import BYTE_VOCAB_SIZE
 from dsa.model.mtp import mtp_logits
 from dsa.model.presets import PRESETS, default_model
 from dsa.serve.tokenizer import ByteTokenizer
-from tests.model_utils import greedy_oracle, prompt, sharp_model, spec_model, tiny_model
+from model_utils import greedy_oracle, prompt, sharp_model, spec_model, tiny_model
 
 V = BYTE_VOCAB_SIZE
 LENGTHS = (5, 14, 23)  # around index_topk = 16: dense rows, sparse rows, and prompts that cross it

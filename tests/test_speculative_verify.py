@@ -22,7 +22,7 @@ from dsa.model.byte_vocab import BYTE_VOCAB_SIZE
 from dsa.model.plan import Bucket, HostPlan
 from dsa.model.presets import PRESETS
 from dsa.model.route import graph_bucket
-from tests.model_utils import greedy_oracle, prompt, sharp_model, spec_model
+from model_utils import greedy_oracle, prompt, sharp_model, spec_model
 
 V = BYTE_VOCAB_SIZE
 # fp32 on both paths; only the kernels differ (prefill: ragged indexer logits, SDPA / absorbed dense or

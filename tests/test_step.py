@@ -19,7 +19,7 @@ from dsa import Engine
 from dsa.engine import spec_step
 from dsa.engine.drafter import ScriptedDrafter
 from dsa.indexer import LightningIndexer
-from tests.model_utils import prompt, tiny_model
+from model_utils import prompt, tiny_model
 
 
 @pytest.fixture(scope="module", params=["exact", "fp8"])

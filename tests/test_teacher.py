@@ -7,7 +7,7 @@ import torch
 
 from dsa.quality.ggml import dequantize
 from dsa.quality.teacher import LlamaTeacher, attention_probs, selection_mask
-from tests.quality_utils import reference_logits, write_tiny_gguf
+from quality_utils import reference_logits, write_tiny_gguf
 
 gguf = pytest.importorskip("gguf")  # the test extra has it; a bare GPU box may not
 

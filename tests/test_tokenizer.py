@@ -7,7 +7,7 @@ from dsa.engine.output import TextOutput
 from dsa.model.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID
 from dsa.serve.chat_template import ChatTemplateError, render_chat
 from dsa.serve.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from tests.text_utils import CHAT_TEMPLATE, write_tokenizer
+from text_utils import CHAT_TEMPLATE, write_tokenizer
 
 TEXTS = ["plain ascii", "naïve café", "東京は日本の首都です。", "emoji 🎉🚀✨ mixed é", "", " leading and trailing "]
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from dsa import DSAModel, Engine, SamplingParams
 from dsa.serve.engine_loop import EngineLoop, Submission
 from dsa.serve.tp_commands import TPCommands, follow
-from tests.test_parallel import TIMEOUT_S, _config, _free_port, spawn
+from test_parallel import TIMEOUT_S, _config, _free_port, spawn
 
 WAIT_S = 60  # the longest rank 0 waits for one delta (a hang fails the script instead of the spawn deadline)
 

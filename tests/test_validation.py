@@ -153,7 +153,7 @@ def test_yarn_refuses_non_positive_theta_and_factor():
 @pytest.fixture(scope="module")
 def engine():
     from dsa import Engine
-    from tests.model_utils import tiny_model
+    from model_utils import tiny_model
     return Engine(tiny_model(), num_blocks=8)
 
 
@@ -173,6 +173,6 @@ def test_engine_refuses_non_int_requests(engine, prompt, max_new, arg):
                          ids=["blocks_bool", "blocks_float", "batch_bool"])
 def test_engine_refuses_non_int_sizes(kw, arg):
     from dsa import Engine
-    from tests.model_utils import tiny_model
+    from model_utils import tiny_model
     with pytest.raises(TypeError, match=rf"^{arg}"):
         Engine(tiny_model(), **kw)
