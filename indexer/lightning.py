@@ -50,8 +50,7 @@ class LightningIndexer(nn.Module):
         q = self.wq_b(qr)[:t].view(t, c.index_n_heads, c.index_head_dim)
         k = F.layer_norm(self.wk(x)[:t].float(), (c.index_head_dim,), self.k_norm.weight.float(),
                          self.k_norm.bias.float(), self.k_norm.eps).to(x.dtype)
-        q = torch.cat((rope_rotate(q[..., :r], rot, c.indexer_rope_interleave), q[..., r:]), dim=-1)
-        k = torch.cat((rope_rotate(k[:, :r], rot, c.indexer_rope_interleave), k[:, r:]), dim=-1)
+        q, k = (_rotate_front(t, rot, r, c.indexer_rope_interleave) for t in (q, k))
         w = F.linear(x.float(), self.weights_proj.weight.float())[:t]  # [T, HI] fp32, whatever the model dtype
         return q, k, w
 
@@ -118,3 +117,12 @@ class LightningIndexer(nn.Module):
                 logits = indexer_logits_ragged(q[r0:r1], weights[r0:r1], keys, k_scale, starts, valid)
                 prefill.append(topk_slots(logits, valid, k, seg.block_table, starts, seg.seq_len, cache.block_size))
         return Selection(decode, torch.cat(prefill) if prefill else None)
+
+
+def _rotate_front(x: torch.Tensor, rot: torch.Tensor, r: int, interleaved: bool) -> torch.Tensor:
+    """``x [T, ..., DI]`` with RoPE on its first ``r`` dims: in place (one launch on CUDA; ``x`` is the step's
+    own), or a new tensor while autograd records (fitting: an in-place write would break its graph)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return torch.cat((rope_rotate(x[..., :r], rot, interleaved), x[..., r:]), dim=-1)
+    rope_rotate(x[..., :r], rot, interleaved, out=x[..., :r])
+    return x

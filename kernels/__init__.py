@@ -17,7 +17,17 @@ from .indexer_logits_ragged import indexer_logits_ragged, indexer_logits_ragged_
 from .indexer_query_prep import indexer_query_prep, indexer_query_prep_reference
 from .latent_write import latent_write, latent_write_reference
 from .quant import hadamard, hadamard_reference, quant_ue8m0, quant_ue8m0_reference
-from .rope import apply_rope, apply_rope_reference, rope_at, rope_rotate, yarn_cos_sin, yarn_mscale
+from .rms_norm import rms_norm, rms_norm_reference
+from .rope import (
+    apply_rope,
+    apply_rope_reference,
+    rope_at,
+    rope_at_reference,
+    rope_rotate,
+    rope_rotate_reference,
+    yarn_cos_sin,
+    yarn_mscale,
+)
 from .slots import positions_to_slots, positions_to_slots_reference
 from .sparse_mla import sparse_mla, sparse_mla_reference
 from .topk import topk_indices, topk_indices_reference, topk_slots, topk_slots_reference
@@ -26,8 +36,9 @@ __all__ = [
     "apply_rope", "apply_rope_reference", "dense_mla_decode", "dense_mla_decode_reference", "hadamard",
     "hadamard_reference", "indexer_key_write", "indexer_key_write_reference", "indexer_logits_paged",
     "indexer_logits_paged_reference", "indexer_logits_ragged", "indexer_logits_ragged_reference",
-    "indexer_query_prep", "indexer_query_prep_reference",
-    "latent_write", "latent_write_reference", "positions_to_slots", "positions_to_slots_reference", "quant_ue8m0",
-    "quant_ue8m0_reference", "rope_at", "rope_rotate", "sparse_mla", "sparse_mla_reference", "topk_indices",
-    "topk_indices_reference", "topk_slots", "topk_slots_reference", "yarn_cos_sin", "yarn_mscale",
+    "indexer_query_prep", "indexer_query_prep_reference", "latent_write", "latent_write_reference",
+    "positions_to_slots", "positions_to_slots_reference", "quant_ue8m0", "quant_ue8m0_reference", "rms_norm",
+    "rms_norm_reference", "rope_at", "rope_at_reference", "rope_rotate", "rope_rotate_reference", "sparse_mla",
+    "sparse_mla_reference", "topk_indices", "topk_indices_reference", "topk_slots", "topk_slots_reference",
+    "yarn_cos_sin", "yarn_mscale",
 ]

@@ -42,6 +42,10 @@ ENTRY_KERNELS = {
     ("latent_write", "_latent_write_kernel"): dict(
         fixed={"stride_kv", "stride_pe", "stride_cb", "stride_cp", "block_size"}, tables={"slot_ptr"}),
     ("mla_split", "_mla_combine_kernel"): dict(fixed=set(), tables=set()),
+    ("rms_norm", "_rms_norm_kernel"): dict(fixed={"stride_x", "stride_out", "eps"}, tables=set()),
+    ("rope", "_rope_at_kernel"): dict(fixed=set(), tables={"pos_ptr"}),
+    ("rope", "_rope_rotate_kernel"): dict(
+        fixed={"heads", "stride_xt", "stride_xh", "stride_ot", "stride_oh"}, tables=set()),
     ("sparse_mla", "_mla_attn_kernel"): dict(
         fixed={"scale_log2", "H", "stride_cb", "stride_cp", "block_size"},
         tables={"slots_ptr", "block_table_ptr", "seq_lens_ptr"}),

@@ -4,12 +4,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsa.config import DSAConfig
+from dsa.kernels import rms_norm
 from dsa.model.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
-    """``weight * (x / rms(x))``, normalized in fp32 and cast back before the weight (HF semantics);
-    ``F.rms_norm`` does the normalization in one kernel on CUDA."""
+    """``weight * (x / rms(x))``, normalized in fp32 and cast back before the weight (HF semantics):
+    :func:`dsa.kernels.rms_norm`, one kernel a call on CUDA bf16 rows."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -17,7 +18,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class MLP(nn.Module):

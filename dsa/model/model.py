@@ -28,7 +28,8 @@ from dsa.model.plan import BatchPlan, PlanOptions
 from dsa.model.route import gemm_rows
 
 log = logging.getLogger("dsa.model")
-FP32_PARAMS = (".mlp.gate.", ".indexer.weights_proj.")  # the router and the indexer head weights stay fp32
+FP32_PARAMS = (".mlp.gate.", ".indexer.weights_proj.", ".indexer.k_norm.")  # the router, the indexer's head
+# weights and key norm stay fp32 (their math is fp32: no cast a step)
 
 
 def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

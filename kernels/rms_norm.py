@@ -1,0 +1,74 @@
+"""rms_norm: ``weight * (x / rms(x))`` normalized in fp32 and rounded to ``x``'s dtype before the weight
+(the RMSNorm of DeepSeek-V3 and of HF's models), one kernel a call.
+
+The reference is the model's four ops: ``x.float()``, ``F.rms_norm``, the cast back, the weight's multiply;
+on CUDA that is four launches a norm, and a decode step at batch 1 is bound by its launch count (issue
+#39: a DeepSeek-V3.2 layer runs four norms). The kernel reads each row once and writes it once, with the
+same arithmetic in the same order but one: its sum of squares is its own reduction, so the mean, and so
+the rounded row, may differ from the reference's in the last place (tests: at most one bf16 ulp, rarely).
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .common import FLOAT_DTYPES, check_real, check_same_device, check_tensor, resolve_backend
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps, D: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: its mean square in fp32, the row times its rsqrt rounded to bf16, then the weight."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    keep = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=keep, other=0.0).to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = (x * r).to(tl.bfloat16).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (w * y).to(tl.bfloat16), mask=keep)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto") -> torch.Tensor:
+    """RMSNorm of the rows of ``x``.
+
+    Args:
+        x: ``[..., D]`` bfloat16 (float32 and float64 through the reference), any strides.
+        weight: ``[D]``, the dtype of ``x`` (the reference also takes others: torch's type promotion).
+        eps: added to the mean square, a finite number.
+
+    Returns:
+        ``[..., D]`` ``weight * (x * rsqrt(mean(x^2) + eps))``, the normalized row computed in fp32 and
+        rounded to ``x``'s dtype before the multiply (a bf16 product rounded once); a new contiguous tensor.
+        As the reference: a row holding NaN comes out NaN, one holding +-inf NaN there and zeros elsewhere
+        (its rsqrt is 0), a zero row zeros; empty ``x`` gives empty.
+        ``"auto"`` runs the kernel on CUDA bf16 rows when autograd is not recording (it has no
+        backward), the reference otherwise.
+    """
+    check_tensor("x", x, dtype=FLOAT_DTYPES)
+    if x.dim() == 0:
+        raise ValueError("x: expected at least 1 dim [..., D], got a 0-dim tensor")
+    d = x.shape[-1]
+    check_tensor("weight", weight, dtype=FLOAT_DTYPES, shape=(d,))
+    eps = check_real("eps", eps)
+    device = check_same_device(x=x, weight=weight)
+    recording = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    impl = resolve_backend(backend, device, "rms_norm",
+                           triton_dtypes_ok=x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16)
+    if impl == "torch" or (backend == "auto" and recording):
+        return rms_norm_reference(x, weight, eps)
+    rows = x.reshape(-1, d) if x.dim() != 2 or x.stride(-1) != 1 else x  # (a strided 2-D view as it is)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=device)
+    if rows.shape[0] == 0 or d == 0:
+        return out
+    w = weight if weight.stride(0) == 1 else weight.contiguous()
+    block = triton.next_power_of_2(d)
+    # one variant per row width (D and the row stride are the model's); the row count is the grid
+    _rms_norm_kernel[(rows.shape[0],)](rows, w, out, rows.stride(0), d, eps, D=d, BLOCK=block,
+                                       num_warps=8 if block >= 4096 else 4)
+    return out
