@@ -5,7 +5,8 @@ The reference is the model's four ops: ``x.float()``, ``F.rms_norm``, the cast b
 on CUDA that is four launches a norm, and a decode step at batch 1 is bound by its launch count (issue
 #39: a DeepSeek-V3.2 layer runs four norms). The kernel reads each row once and writes it once, with the
 same arithmetic in the same order but one: its sum of squares is its own reduction, so the mean, and so
-the rounded row, may differ from the reference's in the last place (tests: at most one bf16 ulp, rarely).
+the rounded row, may differ from the reference's in the last place, and the weight's product by up to two
+(tests: at most two bf16 ulps, rarely: 5 of 58.7M values at D = 7168 on the H200).
 """
 import torch
 import torch.nn.functional as F

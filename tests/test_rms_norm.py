@@ -22,10 +22,13 @@ def _rows(t: int, d: int, seed: int = 0) -> torch.Tensor:
     return (torch.randn(t, d, generator=g) * scale).to(torch.bfloat16)
 
 
-def _check_close(got: torch.Tensor, want: torch.Tensor) -> None:
+def _check_close(got: torch.Tensor, want: torch.Tensor, most: int = 2) -> None:
+    """Within ``most`` bf16 ulps, and rarely apart: the normalized row rounds to bf16 one ulp apart at most
+    (its own sum of squares), and the weight's product, rounded again, can make that two (seen on the H200:
+    5 of 58.7M values at D = 7168)."""
     assert got.shape == want.shape and got.dtype == want.dtype
     ulps = _ulps(got, want)
-    assert ulps.max() <= 1, f"{int((ulps > 1).sum())} of {ulps.numel()} values more than one bf16 ulp apart"
+    assert ulps.max() <= most, f"{int((ulps > most).sum())} of {ulps.numel()} values more than {most} bf16 ulps apart"
     assert (ulps > 0).float().mean() < 0.02, f"{int((ulps > 0).sum())} of {ulps.numel()} values differ"
 
 
