@@ -11,6 +11,7 @@ empty outputs of the documented shapes; NaN/inf encode in FP8 as ``layouts`` say
 checked by ``common.check_int`` (no bools, floats or tensors), numbers by ``common.check_real``.
 """
 from .dense_mla_decode import dense_mla_decode, dense_mla_decode_reference
+from .greedy_accept import greedy_accept, greedy_accept_reference
 from .indexer_key_write import indexer_key_write, indexer_key_write_reference
 from .indexer_logits_paged import indexer_logits_paged, indexer_logits_paged_reference
 from .indexer_logits_ragged import indexer_logits_ragged, indexer_logits_ragged_reference
@@ -33,12 +34,12 @@ from .sparse_mla import sparse_mla, sparse_mla_reference
 from .topk import topk_indices, topk_indices_reference, topk_slots, topk_slots_reference
 
 __all__ = [
-    "apply_rope", "apply_rope_reference", "dense_mla_decode", "dense_mla_decode_reference", "hadamard",
-    "hadamard_reference", "indexer_key_write", "indexer_key_write_reference", "indexer_logits_paged",
-    "indexer_logits_paged_reference", "indexer_logits_ragged", "indexer_logits_ragged_reference",
-    "indexer_query_prep", "indexer_query_prep_reference", "latent_write", "latent_write_reference",
-    "positions_to_slots", "positions_to_slots_reference", "quant_ue8m0", "quant_ue8m0_reference", "rms_norm",
-    "rms_norm_reference", "rope_at", "rope_at_reference", "rope_rotate", "rope_rotate_reference", "sparse_mla",
-    "sparse_mla_reference", "topk_indices", "topk_indices_reference", "topk_slots", "topk_slots_reference",
-    "yarn_cos_sin", "yarn_mscale",
+    "apply_rope", "apply_rope_reference", "dense_mla_decode", "dense_mla_decode_reference", "greedy_accept",
+    "greedy_accept_reference", "hadamard", "hadamard_reference", "indexer_key_write", "indexer_key_write_reference",
+    "indexer_logits_paged", "indexer_logits_paged_reference", "indexer_logits_ragged",
+    "indexer_logits_ragged_reference", "indexer_query_prep", "indexer_query_prep_reference", "latent_write",
+    "latent_write_reference", "positions_to_slots", "positions_to_slots_reference", "quant_ue8m0",
+    "quant_ue8m0_reference", "rms_norm", "rms_norm_reference", "rope_at", "rope_at_reference", "rope_rotate",
+    "rope_rotate_reference", "sparse_mla", "sparse_mla_reference", "topk_indices", "topk_indices_reference",
+    "topk_slots", "topk_slots_reference", "yarn_cos_sin", "yarn_mscale",
 ]

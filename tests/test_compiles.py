@@ -27,6 +27,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the int tables a step passes as views of its plan at any int32 offset, which must be in
 # ``do_not_specialize_on_alignment``.
 ENTRY_KERNELS = {
+    ("greedy_accept", "_greedy_accept_kernel"): dict(
+        fixed={"stride_ab", "stride_aj", "stride_db", "stride_dj"}, tables={"argmax_ptr", "drafts_ptr"}),
     ("indexer_key_write", "_indexer_key_write_kernel"): dict(
         fixed={"stride_kt", "stride_block", "hadamard_scale"}, tables={"slot_ptr"}),
     ("indexer_logits_paged", "_indexer_logits_paged_kernel"): dict(

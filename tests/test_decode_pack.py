@@ -103,6 +103,42 @@ def test_the_padding_plan_of_a_bucket_is_the_general_paths(general):
         assert_same_plan(HostPlan.pack(*args, **kwargs), general(*args, **kwargs))
 
 
+def _device_facts(d) -> tuple:
+    """The decode rows' row ids and visible lengths as ``derive`` computed them on the device before they were
+    packed: ``arange // N`` and ``max(0, S - N + 1 + j % N)``."""
+    j = torch.arange(d.row_ids.shape[0], dtype=torch.int32)
+    row_ids = j // d.next_n
+    return row_ids, (d.seq_lens[row_ids.long()] - d.next_n + 1 + j % d.next_n).clamp_min(0)
+
+
+STEPS = {"decode": ([1, 1, 2], [0, 37, 300]), "mixed": ([2, 9, 1, 2], [5, 0, 63, 17]),
+         "mixed-last": ([1, 4, 3], [16, 2, 40])}
+FACTS = [(by, step, n) for by in ("eager", "bucket") for step in STEPS for n in (1, 2, 3, 4)
+         if by == "eager" or max(STEPS[step][0]) <= n]  # (a graph bucket pads decode-only steps)
+
+
+@pytest.mark.parametrize("by,step,next_n", FACTS, ids=[f"{by}-{step}-n{n}" for by, step, n in FACTS])
+def test_the_decode_rows_row_ids_and_lengths_are_packed(by, step, next_n):
+    """``DecodeRows.row_ids`` and (N > 1) ``lengths`` are int32 views of the packed buffer (no device op), with the
+    values the device computed before: eager steps of decode requests only, or mixed with prefill chunks (decode rows
+    gathered), and graph buckets (padding requests: length 0)."""
+    query, context = STEPS[step]
+    bucket = Bucket(8, 512, next_n) if by == "bucket" else None
+    host = HostPlan.pack(query, context, np.arange(4 * 32, dtype=np.int32).reshape(4, 32)[:len(query)], P, "cpu",
+                         options=PlanOptions(index_topk=64), next_n=next_n, bucket=bucket)
+    buf = host.upload()
+    d = host.derive(buf).decode
+    decode = [q <= next_n for q in query] + [True] * (0 if bucket is None else bucket.rows - len(query))
+    assert d is not None and d.row_ids.shape == (sum(decode) * next_n,)
+    row_ids, lengths = _device_facts(d)
+    for name, got, want in (("row_ids", d.row_ids, row_ids), ("lengths", d.lengths, lengths)):
+        assert got.dtype == torch.int32 and torch.equal(got, want), name
+        if name == "row_ids" or next_n > 1:  # (at N = 1 the lengths are the seq_lens, gathered in a mixed step)
+            assert got.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr(), f"{name}: not a view"
+    if bucket is not None:
+        assert (d.lengths[len(query) * next_n:] == 0).all()
+
+
 @pytest.mark.parametrize("bad,message", [
     (dict(block_tables=np.zeros((3, 8), np.int32)), "block_tables: expected"),
     (dict(input_ids=np.zeros(4, np.int32)), "input_ids: expected"),

@@ -163,6 +163,15 @@ def make_yarn_cos_sin(r, g):
     return dict(max_positions=r.randint(1, 9), rope_dim=r.choice([2, 8, 64]), rope_theta=1e4, rope_scaling=scaling)
 
 
+def make_greedy_accept(r, g):
+    n = _sizes(r)
+    b, drafts = n(0, 5), r.randint(1, 4)
+    argmax = _ids((b, drafts + 1), 0, 6, g, r.choice([I32, I64]))
+    agree = torch.rand(b, drafts, generator=g) < 0.7
+    return dict(argmax=argmax, drafts=torch.where(agree, argmax[:, :drafts].long(), _ids((b, drafts), -1, 6, g, I64))
+                .to(r.choice([I32, I64])))
+
+
 def make_gather_indexer_keys(r, g):
     n = _sizes(r)
     b, nb, mb, p = n(), n(1, 3), n(1, 4), r.choice([4, 16])
@@ -205,6 +214,8 @@ SPECS = {
     "hadamard": (K.hadamard, make_hadamard, {}),
     "yarn_cos_sin": (K.yarn_cos_sin, make_yarn_cos_sin, {}),
     "gather_indexer_keys": (gather_indexer_keys, make_gather_indexer_keys, {"block_table": BLOCK}),
+    "greedy_accept": (K.greedy_accept, make_greedy_accept, {"drafts": (lambda a: 2 ** 62, -1)}),  # (any token id
+    # is a draft: a negative one is no draft, as -1)
 }
 
 
@@ -380,6 +391,14 @@ def check_result(op, args, out):
         cos, sin = out
         assert cos.shape == sin.shape == (args["max_positions"], args["rope_dim"] // 2)
         assert torch.isfinite(cos).all() and torch.isfinite(sin).all()
+    elif op == "greedy_accept":
+        tokens, accepted = out
+        argmax, drafts = args["argmax"].long(), args["drafts"].long()
+        b, n = drafts.shape
+        assert tokens.shape == (b, n + 1) and accepted.shape == (b,) and tokens.dtype == accepted.dtype == I64
+        for row, a, d, m in zip(tokens.tolist(), accepted.tolist(), drafts.tolist(), argmax.tolist()):
+            agree = [x >= 0 and x == y for x, y in zip(d, m)] + [False]
+            assert a == agree.index(False) and row == m[:a + 1] + [-1] * (n - a)
     elif op == "gather_indexer_keys":
         k8, scale = out
         total = int(args["seq_lens"].long().clamp_min(0).sum())
@@ -431,7 +450,7 @@ def test_fuzz_reference(op):
 
 
 TRITON_OPS = ["sparse_mla", "dense_mla_decode", "latent_write", "indexer_key_write", "indexer_query_prep",
-              "indexer_logits_paged", "topk_indices", "topk_slots"]
+              "indexer_logits_paged", "topk_indices", "topk_slots", "greedy_accept"]
 INTERPRETER_CALLS = 6
 
 

@@ -21,6 +21,7 @@ import math
 import torch
 
 from dsa.engine.sampling import hash32, keep_mask, uniform_noise
+from dsa.kernels import greedy_accept
 
 ACCEPT_SALT = 0x2545F491  # the acceptance uniform's keys: the position keys xor this
 
@@ -65,10 +66,8 @@ def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, temperature: to
     if n < 1 or tuple(drafts.shape) != (b, n):
         raise ValueError(f"drafts: expected [B={b}, N={n} >= 1] for logits {list(logits.shape)}, got "
                          f"{list(drafts.shape)}")
-    if all_greedy:
-        argmax = logits.argmax(dim=-1)  # [B, N + 1]
-        accepted = ((argmax[:, :n] == drafts) & (drafts >= 0)).long().cumprod(dim=-1).sum(dim=-1)
-        return _emitted(drafts, accepted, argmax.gather(1, accepted[:, None])[:, 0])
+    if all_greedy:  # the argmax, then one launch (dsa.kernels.greedy_accept)
+        return greedy_accept(logits.argmax(dim=-1), drafts)
     given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, greedy=greedy, keys=keys,
                  vocab_hash=vocab_hash)
     missing = [name for name, t in given.items() if t is None]

@@ -199,7 +199,7 @@ class BatchPlan:
     row_to_req: torch.Tensor  # [T] int32, -1 for a padding row of a decode request (it writes nowhere)
     block_table: torch.Tensor  # [B, MB] int32
     seq_lens: torch.Tensor  # [B] int32, context + new tokens
-    logits_rows: torch.Tensor  # [R] int64, the rows whose logits the step returns (default: each request's last)
+    logits_rows: torch.Tensor  # [R] int32, the rows whose logits the step returns (default: each request's last)
     indexer: IndexerBatch  # what the indexer layers read
     decode: DecodeRows | None  # the decode rows (route.decode_reqs)
     sparse_prefill_rows: torch.Tensor | None  # [rows] int64 rows of indexer.prefill, in order
@@ -355,24 +355,22 @@ class HostPlan:
             block_size=self.block_size, max_seq_len=self.max_seq_len, route=routed,
             input_ids=_view(buf, spec["ids"]) if "ids" in spec else None, positions=positions,
             slot_mapping=slot_mapping, row_to_req=row_to_req, block_table=block_table, seq_lens=seq_lens,
-            logits_rows=_view(buf, spec["logits_rows"]).long(),
+            logits_rows=_view(buf, spec["logits_rows"]),
             indexer=IndexerBatch(positions, slot_mapping, None if every is not None else decode, every, sparse, zeros),
             decode=decode, sparse_prefill_rows=_view(buf, spec["sparse_rows"]).long() if routed.sparse else None,
             mha=mha, absorbed=absorbed)
 
     def _decode_rows(self, buf, block_table, seq_lens) -> DecodeRows:
-        r, n = len(self.route.decode_reqs), self.next_n
+        """The decode rows' views: their row ids and (``next_n > 1``) visible lengths were packed on the host
+        (:func:`_decode_row_facts`)."""
+        r, n, spec = len(self.route.decode_reqs), self.next_n, self.spec
         if self.route.contiguous:
             rows, table, lens = slice(0, r * n), block_table[:r], seq_lens[:r]
         else:
-            reqs = _view(buf, self.spec["decode_reqs"]).long()
-            rows, table, lens = _view(buf, self.spec["decode_rows"]).long(), block_table[reqs], seq_lens[reqs]
-        if n == 1:
-            return DecodeRows(rows, table, lens, torch.arange(r, dtype=torch.int32, device=self.device),
-                              self.max_seq_len, 1, lens)
-        j = torch.arange(r * n, dtype=torch.int32, device=self.device)
-        row_ids = j // n  # row b * n + j reads block_table[b]
-        visible = (lens[row_ids.long()] - n + 1 + j % n).clamp_min(0)  # row j of S sees [0, S - n + j]
+            reqs = _view(buf, spec["decode_reqs"]).long()
+            rows, table, lens = _view(buf, spec["decode_rows"]).long(), block_table[reqs], seq_lens[reqs]
+        row_ids = _view(buf, spec["decode_row_ids"])
+        visible = lens if n == 1 else _view(buf, spec["decode_lengths"])
         return DecodeRows(rows, table, lens, row_ids, self.max_seq_len, n, visible)
 
     def _every_position(self, d: DecodeRows) -> torch.Tensor:
@@ -408,6 +406,15 @@ def _logits_rows(rows, num_tokens: int) -> np.ndarray | None:
     return a
 
 
+def _decode_row_facts(seq: np.ndarray, next_n: int) -> tuple:
+    """``(row_ids, lengths)`` of ``R`` decode requests of lengths ``seq`` ``[R]``, ``next_n`` rows each: row
+    ``b * next_n + j`` reads ``block_table[b]`` and sees ``max(0, S_b - next_n + j + 1)`` positions (``lengths``
+    None at ``next_n = 1``: ``seq_lens``)."""
+    j = np.arange(len(seq) * next_n)
+    row_ids = j // next_n
+    return row_ids, None if next_n == 1 else np.maximum(seq[row_ids] - next_n + 1 + j % next_n, 0)
+
+
 def _pack(lay: _Layout, tables, ids, src, logits_rows, routed: Route) -> tuple[dict, _Packer]:
     """The packed buffer's layout (name -> (offset, shape)) and its host parts: the facts every
     step needs, then only those its routing reads."""
@@ -420,6 +427,11 @@ def _pack(lay: _Layout, tables, ids, src, logits_rows, routed: Route) -> tuple[d
                 table=pack.add(tables, tables.shape), logits_rows=pack.add(logits_rows))
     if ids is not None:
         spec["ids"], spec["src"] = pack.add(ids), pack.add(src)
+    if len(routed.decode_reqs):
+        row_ids, lengths = _decode_row_facts(lay.seq[routed.decode_reqs], routed.next_n)
+        spec["decode_row_ids"] = pack.add(row_ids)
+        if lengths is not None:
+            spec["decode_lengths"] = pack.add(lengths)
     if len(routed.decode_reqs) and not routed.contiguous:
         n = routed.next_n
         spec["decode_rows"] = pack.add((first_row[routed.decode_reqs][:, None] + np.arange(n)).reshape(-1))
@@ -450,7 +462,8 @@ def _decode_facts(bucket: Bucket, num_requests: int, num_tokens: int, num_logits
     logits rows (padded), its block tables ``width`` wide: the same for every such step, so shared by their plans
     (read-only: the arrays unwritable, the route's row counts a read-only mapping). The template holds the padding
     requests' positions ``0 ..`` and ``row_to_req`` -1 (every request's own when all are full), zeros for the
-    padding requests' lengths and tables, each request's last row as its logits row (ids 0, src -1)."""
+    padding requests' lengths and tables, each request's last row as its logits row (ids 0, src -1), every decode
+    row's row id (the padding requests' rows' visible lengths 0)."""
     num_rows, n = bucket.rows, bucket.next_n
     rn = num_rows * n
     table, logits = 2 * rn + num_rows, 2 * rn + num_rows + num_rows * width  # offsets
@@ -459,11 +472,17 @@ def _decode_facts(bucket: Bucket, num_requests: int, num_tokens: int, num_logits
     end = logits + num_logits
     if with_ids:
         spec["ids"], spec["src"] = (end, rn), (end + rn, rn)
-    template = np.zeros(end + (2 * rn if with_ids else 0), np.int32)
+        end += 2 * rn
+    spec["decode_row_ids"] = (end, rn)
+    if n > 1:
+        spec["decode_lengths"] = (end + rn, rn)
+    template = np.zeros(end + rn * (1 + (n > 1)), np.int32)
     template[:rn] = np.tile(np.arange(n), num_rows)
     template[rn:2 * rn] = -1
     template[logits:logits + num_rows] = np.arange(n - 1, rn, n)
-    template[end + rn:] = -1
+    if with_ids:
+        template[end - rn:end] = -1  # src
+    template[end:end + rn] = np.arange(rn) // n  # decode_row_ids; a padding request's lengths: 0
     row_index = np.arange(num_tokens) if num_tokens == num_requests * n else None
     if row_index is not None:
         template[rn:rn + num_tokens] = row_index // n
@@ -494,6 +513,9 @@ def _decode_parts(facts: _DecodeFacts, start, seq, tables, ids, src, rows, row_i
         buf[n * len(facts.query_lens) + row_index] = row_index // n
     lens, table, logits = spec["seq_lens"][0], spec["table"][0], spec["logits_rows"][0]
     buf[lens:lens + b] = seq
+    if n > 1:  # the requests' rows' visible lengths (_decode_row_facts)
+        at = spec["decode_lengths"][0]
+        buf[at:at + b * n].reshape(b, n)[:] = np.maximum(seq[:, None] - n + 1 + np.arange(n), 0)
     buf[table:logits] = tables.reshape(-1)
     if rows is not None:
         buf[logits:logits + len(rows)] = row_index[rows]
