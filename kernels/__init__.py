@@ -29,6 +29,7 @@ from .rope import (
     yarn_cos_sin,
     yarn_mscale,
 )
+from .silu_mul import silu_mul, silu_mul_reference
 from .slots import positions_to_slots, positions_to_slots_reference
 from .sparse_mla import sparse_mla, sparse_mla_reference
 from .topk import topk_indices, topk_indices_reference, topk_slots, topk_slots_reference
@@ -40,6 +41,6 @@ __all__ = [
     "indexer_logits_ragged_reference", "indexer_query_prep", "indexer_query_prep_reference", "latent_write",
     "latent_write_reference", "positions_to_slots", "positions_to_slots_reference", "quant_ue8m0",
     "quant_ue8m0_reference", "rms_norm", "rms_norm_reference", "rope_at", "rope_at_reference", "rope_rotate",
-    "rope_rotate_reference", "sparse_mla", "sparse_mla_reference", "topk_indices", "topk_indices_reference",
-    "topk_slots", "topk_slots_reference", "yarn_cos_sin", "yarn_mscale",
+    "rope_rotate_reference", "silu_mul", "silu_mul_reference", "sparse_mla", "sparse_mla_reference", "topk_indices",
+    "topk_indices_reference", "topk_slots", "topk_slots_reference", "yarn_cos_sin", "yarn_mscale",
 ]

@@ -44,7 +44,8 @@ ENTRY_KERNELS = {
     ("latent_write", "_latent_write_kernel"): dict(
         fixed={"stride_kv", "stride_pe", "stride_cb", "stride_cp", "block_size"}, tables={"slot_ptr"}),
     ("mla_split", "_mla_combine_kernel"): dict(fixed=set(), tables=set()),
-    ("rms_norm", "_rms_norm_kernel"): dict(fixed={"stride_x", "stride_out", "eps"}, tables=set()),
+    ("rms_norm", "_rms_norm_kernel"): dict(fixed={"stride_x", "stride_r", "stride_out", "eps"}, tables=set()),
+    ("silu_mul", "_silu_mul_kernel"): dict(fixed={"cols", "stride_g", "stride_u"}, tables=set()),
     ("rope", "_rope_at_kernel"): dict(fixed=set(), tables={"pos_ptr"}),
     ("rope", "_rope_rotate_kernel"): dict(
         fixed={"heads", "stride_xt", "stride_xh", "stride_ot", "stride_oh"}, tables=set()),

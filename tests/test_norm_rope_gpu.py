@@ -38,3 +38,14 @@ def test_rope_at_kernel_is_the_gather_on_cuda():
     cos, sin = (t.cuda() for t in yarn_cos_sin(163840, 64, 1e4, None))
     pos = torch.tensor([0, 7, 163839, 163840, -5, 2 ** 31 - 1], dtype=torch.int32, device="cuda")
     assert torch.equal(rope_at(pos, cos, sin), rope_at_reference(pos, cos, sin))
+
+
+def test_residual_and_silu_mul_on_cuda():
+    from dsa.kernels import silu_mul, silu_mul_reference
+    x, r = _rows(8192, 7168, 2).cuda(), _rows(8192, 7168, 3).cuda()
+    w = torch.ones(7168, dtype=torch.bfloat16, device="cuda")
+    normed, total = rms_norm(x, w, 1e-6, residual=r)
+    assert torch.equal(total, x + r)
+    _check_close(normed.cpu(), rms_norm_reference(x + r, w, 1e-6).cpu())
+    g, u = _rows(3, 18432, 4).cuda(), _rows(3, 18432, 5).cuda()
+    _check_close(silu_mul(g, u).cpu(), silu_mul_reference(g, u).cpu())

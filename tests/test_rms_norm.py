@@ -101,3 +101,43 @@ def test_autograd_takes_the_reference():
 def test_errors_name_the_argument(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("t,d", [(1, 384), (5, 100), (3, 7168)], ids=str)
+def test_residual_sum_is_torch_and_the_norm_close(t, d):
+    x, r = _rows(t, d, seed=2), _rows(t, d, seed=3)
+    w = (1 + 0.1 * torch.randn(d, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
+    normed, total = rms_norm(x, w, EPS, residual=r, backend="triton")
+    want_normed, want_total = rms_norm_reference(x, w, EPS, residual=r)
+    assert torch.equal(total, x + r) and torch.equal(want_total, x + r)
+    _check_close(normed, want_normed)
+
+
+def test_residual_errors_and_the_module():
+    with pytest.raises(ValueError, match="^residual"):
+        rms_norm(torch.ones(2, 4), torch.ones(4), EPS, residual=torch.ones(2, 5))
+    m = RMSNorm(64, EPS)
+    x, r = torch.randn(3, 64), torch.randn(3, 64)
+    normed, total = m(x, residual=r)
+    assert torch.equal(total, x + r) and torch.equal(normed, m(x + r))
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (3, 1024), (2, 1500), (2, 3, 64)], ids=str)
+def test_silu_mul_kernel_matches_torch(shape):
+    from dsa.kernels import silu_mul, silu_mul_reference
+    g, u = _rows(int(torch.tensor(shape[:-1]).prod()), shape[-1], 4).view(shape), _rows(
+        int(torch.tensor(shape[:-1]).prod()), shape[-1], 5).view(shape)
+    got = silu_mul(g, u, backend="triton")
+    _check_close(got, silu_mul_reference(g, u))
+    assert got.shape == shape and got.is_contiguous()
+
+
+def test_silu_mul_routing_and_errors():
+    from dsa.kernels import silu_mul, silu_mul_reference
+    g, u = torch.randn(2, 8), torch.randn(2, 8)
+    assert torch.equal(silu_mul(g, u), silu_mul_reference(g, u))  # float32, CPU: torch's ops
+    with pytest.raises(TypeError, match="^silu_mul"):
+        silu_mul(g, u, backend="triton")
+    with pytest.raises(ValueError, match="^up"):
+        silu_mul(g, torch.randn(2, 9))
+    assert silu_mul(g[:0].bfloat16(), u[:0].bfloat16(), backend="triton").shape == (0, 8)

@@ -22,5 +22,5 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(config, tp) if moe else MLP(config.hidden_size, config.intermediate_size, tp)
 
     def forward(self, x: torch.Tensor, step) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), step), residual=x)
+        return x + self.mlp(h)

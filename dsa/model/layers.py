@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsa.config import DSAConfig
-from dsa.kernels import rms_norm
+from dsa.kernels import rms_norm, silu_mul
 from dsa.model.parallel import TensorParallel
 
 
@@ -17,8 +17,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The normed rows of ``x``; with ``residual``, ``(normed x + residual, x + residual)`` (one launch)."""
+        return rms_norm(x, self.weight, self.eps, residual=residual)
 
 
 class MLP(nn.Module):
@@ -35,7 +36,7 @@ class MLP(nn.Module):
         self.tp = tp if reduce else TensorParallel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x))))
 
 
 class MoEGate(nn.Module):

@@ -61,8 +61,8 @@ class MTPLayer(nn.Module):
         return self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
 
     def forward(self, x: torch.Tensor, step) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), step), residual=x)
+        return x + self.mlp(h)
 
 
 @torch.no_grad()
