@@ -1,6 +1,6 @@
 """Run a ``dsa`` command with the model's fused small ops put back to their torch ops: the same-run baseline of
-the launch-count work of issue #39 (``rms_norm``, ``rope_rotate`` and ``rope_at`` each one Triton launch on
-CUDA, against four, four or five, and about twelve torch launches).
+the launch-count work of issue #39 (``rms_norm`` with its residual add, ``silu_mul``, ``rope_rotate`` and
+``rope_at`` each one Triton launch on CUDA, against five, two, four or five, and about twelve torch launches).
 
     python benchmarks/reference_ops.py [--reference] -- bench engine --speculative-tokens 2 --quick ...
 
@@ -21,7 +21,8 @@ def use_reference_ops() -> None:
         y = kernels.rope_rotate_reference(x, rot, interleaved)
         return y if out is None else out.copy_(y)
 
-    layers.rms_norm = lambda x, weight, eps: kernels.rms_norm_reference(x, weight, eps)
+    layers.rms_norm = lambda x, weight, eps, residual=None: kernels.rms_norm_reference(x, weight, eps, residual)
+    layers.silu_mul = kernels.silu_mul_reference
     attention.rope_rotate = lightning.rope_rotate = rope_rotate
     model.rope_at = kernels.rope_at_reference
 
