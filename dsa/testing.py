@@ -190,8 +190,7 @@ class DeviceOps:
         import inspect
         import sys
 
-        from dsa import cache
-        from dsa import kernels as K
+        from dsa import cache, kernels as K
         named = [(K, n) for n in K.__all__ if not n.endswith("_reference")] + [
             (cache, n) for n in dir(cache) if not n[0].isupper() and callable(getattr(cache, n)) and
             getattr(getattr(cache, n), "__module__", "").startswith("dsa.cache")]

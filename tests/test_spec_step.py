@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsa import Engine, SamplingParams
-from dsa import kernels as K
+from dsa import Engine, SamplingParams, kernels as K
 from dsa.engine import spec_step
 from dsa.engine.drafter import ScriptedDrafter, Slots
 from dsa.model.byte_vocab import BYTE_VOCAB_SIZE

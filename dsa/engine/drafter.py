@@ -24,6 +24,7 @@ deterministic drafter: the rejection sampler's ``q`` is one-hot). :class:`Script
 drafter: proposals from a function of the request's tokens (e.g. the target's own greedy continuation),
 with scripted mismatches.
 """
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,17 @@ def pad_to(values, size: int, fill: int) -> np.ndarray:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _draft_cap(size: int, n: int, drafts: bytes) -> np.ndarray:
+    """``[size, n]`` int32, read-only: :data:`DRAFT_CAP` at each slot's drafts (``drafts``: int64 bytes of their
+    counts, then padding slots of none), -1 past them; ``min(draft, cap)`` keeps a slot's drafts."""
+    k = np.zeros(size, np.int64)
+    k[:len(drafts) // 8] = np.frombuffer(drafts, np.int64)
+    cap = np.where(np.arange(n)[None, :] < k[:, None], DRAFT_CAP, -1).astype(np.int32)
+    cap.flags.writeable = False
+    return cap
+
+
 class MTPDrafter:
     """Drafts with ``model.mtp`` over the runner's caches (allocated with the MTP layer's) and its own
     per-row state: the first draft and the module's hidden state of each input-batch row, and one scratch
@@ -82,9 +94,8 @@ class MTPDrafter:
         chains = self.n - 1 if slots.bucket is not None else max(int(k.max(initial=0)) - 1, 0)
         plans = {f"chain{j}": self._chain_plan(runner, slots, c + np.maximum(np.minimum(j - 2, k - 1), 0))
                  for j in range(2, 2 + chains)}
-        cap = np.full((slots.size, self.n), -1, np.int64)  # [S', N]: a slot's drafts pass, -1 past them
-        cap[:len(k)][np.arange(self.n)[None, :] < k[:, None]] = DRAFT_CAP
-        return plans, {"state": pad_to(slots.rows, slots.size, self.scratch), "cap": cap}
+        return plans, {"state": pad_to(slots.rows, slots.size, self.scratch),
+                       "cap": _draft_cap(slots.size, self.n, np.asarray(k, np.int64).tobytes())}
 
     def _chain_plan(self, runner, slots: Slots, context: np.ndarray) -> HostPlan:
         """One MTP decode row per slot after ``context`` cached tokens (a graph bucket's rows and context)."""

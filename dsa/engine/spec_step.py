@@ -20,6 +20,7 @@ Device, the same ops eagerly or captured:
 A graph is captured on the bucket's padding step (every row writes nowhere, every index a scratch row), at
 the warm-up or on first use, so a capture changes no request's state.
 """
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +35,7 @@ from dsa.model.plan import Bucket, HostPlan, PackedStep
 @dataclass
 class SpecStep:
     """A speculating step on the host, packed for its one upload (module docstring)."""
-    packed: PackedStep  # "verify", the drafter's plans; "next_token", "next_row", "next_id", "anchor", the drafter's
+    packed: PackedStep  # "verify", the drafter's plans; "next_*" (_next_ids), "anchor"; the drafter's arrays
     sampled: np.ndarray  # [S] the step index of each sampled request
     rows: np.ndarray  # [B] the requests' rows of the input batch
     slots: int  # S': S, or the graph bucket's rows
@@ -147,19 +148,30 @@ def _next_ids(t: int, rows: int, base, drafts, last, after) -> dict:
     """Where each of the ``T'`` verify rows finds the id after it (:func:`~dsa.kernels.pick_ids` in the
     drafter's observation): ``next_token`` ``[T']``, for row ``j`` of sampled slot ``s`` (rows ``base[s] ..
     base[s] + drafts[s]``), its emitted token ``s * rows + j`` (``rows``: N + 1), where it has one; else
-    ``next_row`` ``[T']``, the next row's id (the last row's: row 0's); else, at each request's last row,
-    ``next_id`` ``[T']`` the id after it (``after``). -1: none."""
-    next_row = np.arange(1, t + 1)
+    ``next_row`` ``[T']``, the next row's id (the last row's: row 0's); else, at each request's last row
+    (``last``), ``next_id`` ``[T']`` the id after it (``after``). -1: none. The first two are the same for
+    every step of one layout (cached: :func:`_next_rows`)."""
+    next_token, next_row = _next_rows(t, rows, *(np.asarray(a, np.int64).tobytes() for a in (base, drafts, last)))
+    next_id = np.zeros(t, np.int32)
+    next_id[last] = after
+    return {"next_token": next_token, "next_row": next_row, "next_id": next_id}
+
+
+@functools.lru_cache(maxsize=4096)
+def _next_rows(t: int, rows: int, base: bytes, drafts: bytes, last: bytes) -> tuple:
+    """``(next_token, next_row)`` ``[T']`` int32 of :func:`_next_ids` (``base``, ``drafts``, ``last``: int64
+    bytes), read-only."""
+    base, drafts, last = (np.frombuffer(a, np.int64) for a in (base, drafts, last))
+    next_row = np.arange(1, t + 1, dtype=np.int32)
     next_row[-1:] = 0
     next_row[last] = -1
-    next_id = np.zeros(t, np.int64)
-    next_id[last] = after
-    next_token = np.full(t, -1)
+    next_token = np.full(t, -1, np.int32)
     j = np.arange(rows)
-    at = base[:, None] + j  # [S, N + 1]
-    emits = j <= drafts[:, None]
-    next_token[at[emits]] = (np.arange(len(base))[:, None] * rows + j)[emits]
-    return {"next_token": next_token, "next_row": next_row, "next_id": next_id}
+    emits = j <= drafts[:, None]  # [S, N + 1]
+    next_token[(base[:, None] + j)[emits]] = (np.arange(len(base))[:, None] * rows + j)[emits]
+    for a in (next_token, next_row):
+        a.flags.writeable = False
+    return next_token, next_row
 
 
 def draft_verify(runner, step: SpecStep, buf: torch.Tensor) -> tuple:
