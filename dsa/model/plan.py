@@ -410,9 +410,10 @@ def _decode_row_facts(seq: np.ndarray, next_n: int) -> tuple:
     """``(row_ids, lengths)`` of ``R`` decode requests of lengths ``seq`` ``[R]``, ``next_n`` rows each: row
     ``b * next_n + j`` reads ``block_table[b]`` and sees ``max(0, S_b - next_n + j + 1)`` positions (``lengths``
     None at ``next_n = 1``: ``seq_lens``)."""
-    j = np.arange(len(seq) * next_n)
-    row_ids = j // next_n
-    return row_ids, None if next_n == 1 else np.maximum(seq[row_ids] - next_n + 1 + j % next_n, 0)
+    if next_n == 1:
+        return np.arange(len(seq)), None
+    lengths = (seq[:, None] + np.arange(1 - next_n, 1)).reshape(-1)
+    return np.repeat(np.arange(len(seq)), next_n), np.maximum(lengths, 0, out=lengths)
 
 
 def _pack(lay: _Layout, tables, ids, src, logits_rows, routed: Route) -> tuple[dict, _Packer]:
