@@ -1,9 +1,11 @@
 """What a speculating decode step does on the host (issue #39), counted on the CPU: eager aten ops outside
 graph replays (by name), host-to-device uploads, device-to-host reads and graph replays per step, with CUDA
 graph capture emulated (``record`` runs the step; a replay reruns it, its ops not counted), so the counts are
-the ones a CUDA step launches. The trained default and its MTP module, B = 1, greedy.
+the ones a CUDA step launches. The trained default and its MTP module, B = 1, greedy. With ``--bodies``, the
+device ops inside the step's graph bodies instead (:class:`dsa.testing.DeviceOps`, by phase; N = 0: the plain
+decode step's one body), the trained default in bf16.
 
-    python benchmarks/count_spec_step.py [--speculative-tokens N] [--new 24] [--context 200]
+    python benchmarks/count_spec_step.py [--speculative-tokens N] [--new 24] [--context 200] [--bodies]
 """
 import argparse
 import json
@@ -15,7 +17,7 @@ import torch
 from dsa.engine import Engine
 from dsa.engine.sampling import SamplingParams
 from dsa.model.presets import default_model
-from dsa.testing import StepOps
+from dsa.testing import DeviceOps, StepOps
 
 
 class _Patch:
@@ -67,13 +69,45 @@ def count(n: int, new: int, context: int) -> dict:
             "spec": engine.stats.spec.as_dict()}
 
 
+def count_bodies(n: int, context: int) -> dict:
+    """The device ops of each graph body of the first decode step after the prefill (two a verify step, one a
+    plain decode step), by phase and by op."""
+    model = default_model("cpu", dtype=torch.bfloat16)
+    ids = torch.randint(1, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine = Engine(model, num_blocks=64, prefix_caching=False, speculative_tokens=n)
+    bodies, patch = [], _Patch()
+
+    def record(step):
+        outputs = step()
+        bodies.append(step)
+        return SimpleNamespace(replay=lambda: [o.copy_(r) for o, r in zip(outputs, step()) if o is not None]), outputs
+
+    patch.setattr(engine.runner, "use_graphs", True)
+    patch.setattr(engine.runner, "record", record)
+    engine.add_request(ids, sampling=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.step()  # the prefill
+    engine.step()  # the first decode step captures its bucket's graphs
+    ops = DeviceOps().counting(patch)
+    out = {}
+    for i, body in enumerate(bodies):
+        phases = ops.count(body, f"glue{i}")
+        out[f"body{i}"] = {"ops": sum(phases.values()), "phases": phases,
+                           "by_op": {f"{p} {name}": v for (p, name), v in sorted(ops.ops.items())}}
+    patch.undo()
+    return {"N": n, **out}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--speculative-tokens", type=int, default=2)
     p.add_argument("--new", type=int, default=24)
     p.add_argument("--context", type=int, default=200)
+    p.add_argument("--bodies", action="store_true", help="the device ops inside the graph bodies, by phase")
     args = p.parse_args(argv)
-    print(json.dumps(count(args.speculative_tokens, args.new, args.context), indent=1))
+    if args.bodies:
+        print(json.dumps(count_bodies(args.speculative_tokens, args.context), indent=1))
+    else:
+        print(json.dumps(count(args.speculative_tokens, args.new, args.context), indent=1))
     return 0
 
 

@@ -1,4 +1,7 @@
-"""Helpers the benchmarks share with the kernel tests: random block tables and comparisons of results."""
+"""Helpers the benchmarks share with the tests: random block tables, comparisons of results, and counters of what
+a step does on the host (:class:`StepOps`) and launches on the device (:class:`DeviceOps`)."""
+import functools
+
 import torch
 
 from dsa.kernels.common import cdiv
@@ -128,3 +131,122 @@ class StepOps:
                 counter.op(str(func.overloadpacket.__name__))
                 return func(*args, **(kwargs or {}))
         return Mode()
+
+
+# aten ops that launch nothing on CUDA: allocations, and the CPU scalar an op with a Python number wraps
+_NO_LAUNCH = {"empty", "empty_strided", "scalar_tensor"}
+
+# the phases of a step's device ops (DeviceOps): what runs them, (owner module, attribute)
+DEVICE_PHASES = {"target": ("dsa.model.model", "DSAModel.step"), "mtp_step": ("dsa.model.model", "DSAModel.mtp_step"),
+                 "derive": ("dsa.model.plan", "HostPlan.derive"),
+                 "accept": ("dsa.engine.spec_step", "rejection_sample")}
+
+
+class DeviceOps:
+    """Counts the device ops of a step's graph bodies on the CPU (issue #39: a speculating step at batch 1 is
+    bound by the number of kernels it launches), by phase: ``target`` (the main model's forward), ``mtp_step``
+    (the MTP module), ``derive`` (a plan's device facts), ``accept`` (the rejection sampler in the speculating
+    passes), and the glue around them (the phase the caller names). A proxy for CUDA launches: one per non-view
+    aten op (allocations and wrapped Python numbers excepted), one per public ``dsa.kernels`` / ``dsa.cache`` call
+    (``K:name``, its own ops not counted), plus the
+    copies CUDA adds inside an op that the CPU dispatcher does not show: an int32 index tensor of ``index`` /
+    ``index_put`` is cast to int64 first (``cast:int32-index``), a ``cat`` of mixed dtypes copies each input
+    (``cat:mixed``). RMSNorm counts its CPU ops (fused on CUDA)."""
+
+    def __init__(self):
+        self.ops, self.phase, self._quiet, self.on = {}, ["glue"], 0, False
+
+    def bump(self, name: str, count: int = 1) -> None:
+        if self.on and not self._quiet:
+            key = (self.phase[-1], name)
+            self.ops[key] = self.ops.get(key, 0) + count
+
+    def by_phase(self) -> dict:
+        out = {}
+        for (phase, _), n in self.ops.items():
+            out[phase] = out.get(phase, 0) + n
+        return out
+
+    def breakdown(self) -> str:
+        """``phase op count`` lines, each phase's largest first."""
+        rows = sorted(self.ops.items(), key=lambda kv: (kv[0][0], -kv[1], kv[0][1]))
+        return "\n".join(f"  {phase:<10} {name:<28} {n}" for (phase, name), n in rows)
+
+    def count(self, body, phase: str) -> dict:
+        """Run ``body()`` with its ops counted under ``phase`` (outside the named phases); returns :meth:`by_phase`
+        of it alone (the counters installed: :meth:`counting`)."""
+        self.ops, self.phase, self.on = {}, [phase], True
+        try:
+            with torch.no_grad(), self._mode:
+                body()
+        finally:
+            self.on = False
+        return self.by_phase()
+
+    def counting(self, monkeypatch) -> "DeviceOps":
+        """Install the counters (``monkeypatch``: pytest's or any object with ``setattr``): every public kernel
+        and cache function where a dsa module imported it, and the phases' functions."""
+        import importlib
+        import inspect
+        import sys
+
+        from dsa import cache, kernels as K
+        named = [(K, n) for n in K.__all__ if not n.endswith("_reference")] + [
+            (cache, n) for n in dir(cache) if not n[0].isupper() and callable(getattr(cache, n)) and
+            getattr(getattr(cache, n), "__module__", "").startswith("dsa.cache")]
+        public = {id(inspect.unwrap(getattr(owner, n))): n for owner, n in named}  # (unwrapped: counters installed
+        # twice, the outer one counts)
+        for module in [m for name, m in list(sys.modules.items()) if name.startswith("dsa") and m is not None]:
+            for attr, value in list(vars(module).items()):
+                if callable(value) and id(inspect.unwrap(value)) in public:
+                    monkeypatch.setattr(module, attr, self._kernel(value, public[id(inspect.unwrap(value))]))
+        for phase, (module, path) in DEVICE_PHASES.items():
+            owner = importlib.import_module(module)
+            *outer, attr = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            monkeypatch.setattr(owner, attr, self._phase(getattr(owner, attr), phase))
+        self._mode = self._dispatch_mode()
+        return self
+
+    def _kernel(self, fn, name: str):
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            self.bump("K:" + name)
+            self._quiet += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._quiet -= 1
+        return counted
+
+    def _phase(self, fn, phase: str):
+        def counted(*args, **kwargs):
+            self.phase.append(phase)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.phase.pop()
+        return counted
+
+    def _dispatch_mode(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__.rstrip("_")
+                if name not in _VIEW_OPS and name not in _NO_LAUNCH:
+                    counter.bump(name)
+                    counter._hidden(name, args)
+                return func(*args, **(kwargs or {}))
+        return Mode()
+
+    def _hidden(self, name: str, args) -> None:
+        """The copies CUDA makes inside ``name`` (class docstring)."""
+        if name in ("index", "index_put") and len(args) > 1:
+            casts = sum(1 for t in args[1] if isinstance(t, torch.Tensor) and t.dtype == torch.int32)
+            if casts:
+                self.bump("cast:int32-index", casts)
+        elif name == "cat" and args and len({t.dtype for t in args[0]}) > 1:
+            self.bump("cat:mixed", len(args[0]) - 1)

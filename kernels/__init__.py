@@ -17,6 +17,7 @@ from .indexer_logits_paged import indexer_logits_paged, indexer_logits_paged_ref
 from .indexer_logits_ragged import indexer_logits_ragged, indexer_logits_ragged_reference
 from .indexer_query_prep import indexer_query_prep, indexer_query_prep_reference
 from .latent_write import latent_write, latent_write_reference
+from .pick_ids import pick_ids, pick_ids_reference
 from .quant import hadamard, hadamard_reference, quant_ue8m0, quant_ue8m0_reference
 from .rms_norm import rms_norm, rms_norm_reference
 from .rope import (
@@ -39,8 +40,9 @@ __all__ = [
     "greedy_accept_reference", "hadamard", "hadamard_reference", "indexer_key_write", "indexer_key_write_reference",
     "indexer_logits_paged", "indexer_logits_paged_reference", "indexer_logits_ragged",
     "indexer_logits_ragged_reference", "indexer_query_prep", "indexer_query_prep_reference", "latent_write",
-    "latent_write_reference", "positions_to_slots", "positions_to_slots_reference", "quant_ue8m0",
-    "quant_ue8m0_reference", "rms_norm", "rms_norm_reference", "rope_at", "rope_at_reference", "rope_rotate",
-    "rope_rotate_reference", "silu_mul", "silu_mul_reference", "sparse_mla", "sparse_mla_reference", "topk_indices",
-    "topk_indices_reference", "topk_slots", "topk_slots_reference", "yarn_cos_sin", "yarn_mscale",
+    "latent_write_reference", "pick_ids", "pick_ids_reference", "positions_to_slots",
+    "positions_to_slots_reference", "quant_ue8m0", "quant_ue8m0_reference", "rms_norm", "rms_norm_reference",
+    "rope_at", "rope_at_reference", "rope_rotate", "rope_rotate_reference", "silu_mul", "silu_mul_reference",
+    "sparse_mla", "sparse_mla_reference", "topk_indices", "topk_indices_reference", "topk_slots",
+    "topk_slots_reference", "yarn_cos_sin", "yarn_mscale",
 ]

@@ -16,7 +16,7 @@ BLOCK_ROWS = 64  # rows a program
 
 
 def greedy_accept_reference(argmax, drafts):
-    b, n1 = argmax.shape
+    n1 = argmax.shape[1]
     target = argmax.long()
     agree = (target[:, :n1 - 1] == drafts) & (drafts >= 0)  # [B, N]
     accepted = agree.long().cumprod(dim=-1).sum(dim=-1)  # [B]: the leading agreeing drafts

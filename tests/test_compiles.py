@@ -27,6 +27,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the int tables a step passes as views of its plan at any int32 offset, which must be in
 # ``do_not_specialize_on_alignment``.
 ENTRY_KERNELS = {
+    ("pick_ids", "_pick_ids_kernel"): dict(
+        fixed={"stride_default", "stride_tokens", "stride_index", "stride_ids", "stride_ids_index", "stride_out"},
+        tables={"default_ptr", "tokens_ptr", "index_ptr", "ids_ptr", "ids_index_ptr", "out_ptr"}),
     ("greedy_accept", "_greedy_accept_kernel"): dict(
         fixed={"stride_ab", "stride_aj", "stride_db", "stride_dj"}, tables={"argmax_ptr", "drafts_ptr"}),
     ("indexer_key_write", "_indexer_key_write_kernel"): dict(

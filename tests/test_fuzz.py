@@ -172,6 +172,16 @@ def make_greedy_accept(r, g):
                 .to(r.choice([I32, I64])))
 
 
+def make_pick_ids(r, g):
+    n = _sizes(r)
+    t, m, k = n(0, 6), n(0, 5), n(0, 5)
+    args = dict(default=_ids((t,), 0, 9, g, r.choice([I32, I64])), tokens=_ids((m,), -1, 9, g, r.choice([I32, I64])),
+                index=_ids((t,), -1, m, g, r.choice([I32, I64])), ids=None, ids_index=None)
+    if r.random() < 0.6:
+        args.update(ids=_ids((k,), 0, 9, g, r.choice([I32, I64])), ids_index=_ids((t,), -1, k, g))
+    return args
+
+
 def make_gather_indexer_keys(r, g):
     n = _sizes(r)
     b, nb, mb, p = n(), n(1, 3), n(1, 4), r.choice([4, 16])
@@ -214,6 +224,8 @@ SPECS = {
     "hadamard": (K.hadamard, make_hadamard, {}),
     "yarn_cos_sin": (K.yarn_cos_sin, make_yarn_cos_sin, {}),
     "gather_indexer_keys": (gather_indexer_keys, make_gather_indexer_keys, {"block_table": BLOCK}),
+    "pick_ids": (K.pick_ids, make_pick_ids, {"index": (lambda a: a["tokens"].shape[0], -1),
+                                             "ids_index": (lambda a: a["ids"].shape[0], -1)}),
     "greedy_accept": (K.greedy_accept, make_greedy_accept, {"drafts": (lambda a: 2 ** 62, -1)}),  # (any token id
     # is a draft: a negative one is no draft, as -1)
 }
@@ -399,6 +411,18 @@ def check_result(op, args, out):
         for row, a, d, m in zip(tokens.tolist(), accepted.tolist(), drafts.tolist(), argmax.tolist()):
             agree = [x >= 0 and x == y for x, y in zip(d, m)] + [False]
             assert a == agree.index(False) and row == m[:a + 1] + [-1] * (n - a)
+    elif op == "pick_ids":
+        ids, ids_index = args.get("ids"), args.get("ids_index")
+        want = []
+        for i, d in enumerate(args["default"].tolist()):
+            t = int(args["index"][i])
+            if 0 <= t < len(args["tokens"]) and int(args["tokens"][t]) >= 0:
+                want.append(int(args["tokens"][t]))
+            elif ids is not None and 0 <= int(ids_index[i]) < len(ids):
+                want.append(int(ids[int(ids_index[i])]))
+            else:
+                want.append(d)
+        assert out.dtype == I64 and out.tolist() == want
     elif op == "gather_indexer_keys":
         k8, scale = out
         total = int(args["seq_lens"].long().clamp_min(0).sum())
@@ -450,7 +474,8 @@ def test_fuzz_reference(op):
 
 
 TRITON_OPS = ["sparse_mla", "dense_mla_decode", "latent_write", "indexer_key_write", "indexer_query_prep",
-              "indexer_logits_paged", "topk_indices", "topk_slots", "greedy_accept"]
+              "indexer_logits_paged", "topk_indices", "topk_slots", "greedy_accept",
+              "pick_ids"]
 INTERPRETER_CALLS = 6
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsa import Engine, SamplingParams
+from dsa import Engine, SamplingParams, kernels as K
 from dsa.engine import spec_step
 from dsa.engine.drafter import ScriptedDrafter, Slots
 from dsa.model.byte_vocab import BYTE_VOCAB_SIZE
@@ -113,6 +113,56 @@ def test_packed_step_parts_are_each_plan_and_array():
         assert torch.equal(got.slot_mapping, want.slot_mapping) and torch.equal(got.positions, want.positions)
     other = PackedStep({"a": _two_plans()[0], "b": second}, {"x": np.zeros(3), "y": np.ones((3, 2))})
     assert other.layout == step.layout  # one bucket, one layout: a graph's buffer is refilled in place
+
+
+def _old_next_ids(ids, tokens, accepted, base, last, after):
+    """The MTP observation's next ids and rows before ``pick_ids``: the ids rolled, each request's last row its
+    next id, each slot's last accepted row its emitted token (row ``T'``: the padding slots' scratch row)."""
+    t = ids.shape[0]
+    nxt = torch.cat((torch.roll(ids.long(), -1), ids.new_zeros(1, dtype=torch.int64)))
+    nxt[last] = after
+    anchor = base + accepted
+    nxt[anchor] = tokens.gather(1, accepted[:, None])[:, 0]
+    return nxt[:t], anchor.clamp_max(t - 1)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_observations_next_ids_are_the_old_chains(seed):
+    """``spec_step._next_ids`` + :func:`~dsa.kernels.pick_ids` (the interpreter's kernel and the reference) give
+    the rolled-and-overwritten ids of before, at every accepted count, for steps of decode requests (padded in
+    front to N + 1 rows), prefill chunks and padding requests and slots (a slot's accepted drafts, its rows'
+    ids, are its emitted tokens there, as in a step)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 5))
+    kinds = rng.choice(["decode", "chunk"], int(rng.integers(1, 6)), p=[0.7, 0.3])
+    lengths = [n + 1 if kind == "decode" else int(rng.integers(1, 9)) for kind in kinds] + [n + 1] * int(
+        rng.integers(0, 3))  # then padding requests
+    ends = np.cumsum(lengths)
+    t, reqs = int(ends[-1]), len(kinds)
+    sampled = [i for i, kind in enumerate(kinds) if kind == "decode" or rng.random() < 0.5]
+    k = np.array([int(rng.integers(0, n + 1)) if kinds[i] == "decode" else 0 for i in sampled], np.int64)
+    slots = len(sampled) + int(rng.integers(0, 3))  # then padding slots
+    base = ends[sampled] - 1 - k
+    last, after = ends[:reqs] - 1, rng.integers(0, 256, reqs)
+    accepted = np.zeros(slots, np.int64)
+    accepted[:len(k)] = [int(rng.integers(0, kk + 1)) for kk in k]
+    tokens = torch.full((slots, n + 1), -1, dtype=torch.int64)
+    for s in range(slots):
+        tokens[s, :accepted[s] + 1] = torch.from_numpy(rng.integers(0, 256, accepted[s] + 1))
+    ids = torch.from_numpy(rng.integers(0, 256, t).astype(np.int32))
+    for s, b in enumerate(base):  # an accepted draft is the token emitted for its row (the rows read the drafts)
+        ids[b + 1:b + 1 + accepted[s]] = tokens[s, :accepted[s]].to(torch.int32)
+    want = _old_next_ids(ids, tokens, torch.from_numpy(accepted), torch.from_numpy(np.concatenate(
+        (base, np.full(slots - len(k), t)))), torch.from_numpy(np.concatenate((last, np.full(len(lengths) - reqs, t)))),
+        torch.from_numpy(np.concatenate((after, np.zeros(len(lengths) - reqs, np.int64)))))
+    arrays = {name: torch.from_numpy(a.astype(np.int32)) for name, a in
+              spec_step._next_ids(t, n + 1, base, k, last, after).items()}
+    anchor = torch.from_numpy(np.concatenate((np.minimum(base, t - 1), np.full(slots - len(k), t - 1))))
+    for backend in ("torch", "triton"):
+        got = K.pick_ids(arrays["next_id"], tokens.reshape(-1), arrays["next_token"], ids, arrays["next_row"],
+                         backend=backend)
+        assert torch.equal(got, want[0]), backend
+    assert torch.equal(anchor + torch.from_numpy(accepted), want[1])
 
 
 def test_chained_proposal_rows_stay_inside_each_slots_verify_rows(tiny):

@@ -24,13 +24,17 @@ deterministic drafter: the rejection sampler's ``q`` is one-hot). :class:`Script
 drafter: proposals from a function of the request's tokens (e.g. the target's own greedy continuation),
 with scripted mismatches.
 """
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from dsa.kernels import pick_ids
 from dsa.model.plan import HostPlan
 from dsa.model.route import Bucket
+
+DRAFT_CAP = 2 ** 31 - 1  # a slot's cap where it drafts: above every token id (int32: the packed buffer's type)
 
 
 @dataclass
@@ -51,6 +55,17 @@ def pad_to(values, size: int, fill: int) -> np.ndarray:
     out = np.full(size, fill, np.int32)
     out[:len(values)] = values
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _draft_cap(size: int, n: int, drafts: bytes) -> np.ndarray:
+    """``[size, n]`` int32, read-only: :data:`DRAFT_CAP` at each slot's drafts (``drafts``: int64 bytes of their
+    counts, then padding slots of none), -1 past them; ``min(draft, cap)`` keeps a slot's drafts."""
+    k = np.zeros(size, np.int64)
+    k[:len(drafts) // 8] = np.frombuffer(drafts, np.int64)
+    cap = np.where(np.arange(n)[None, :] < k[:, None], DRAFT_CAP, -1).astype(np.int32)
+    cap.flags.writeable = False
+    return cap
 
 
 class MTPDrafter:
@@ -79,7 +94,8 @@ class MTPDrafter:
         chains = self.n - 1 if slots.bucket is not None else max(int(k.max(initial=0)) - 1, 0)
         plans = {f"chain{j}": self._chain_plan(runner, slots, c + np.maximum(np.minimum(j - 2, k - 1), 0))
                  for j in range(2, 2 + chains)}
-        return plans, {"state": pad_to(slots.rows, slots.size, self.scratch)}
+        return plans, {"state": pad_to(slots.rows, slots.size, self.scratch),
+                       "cap": _draft_cap(slots.size, self.n, np.asarray(k, np.int64).tobytes())}
 
     def _chain_plan(self, runner, slots: Slots, context: np.ndarray) -> HostPlan:
         """One MTP decode row per slot after ``context`` cached tokens (a graph bucket's rows and context)."""
@@ -91,33 +107,31 @@ class MTPDrafter:
                              bucket=None if b is None else Bucket(b.rows, b.max_seq_len))
 
     def draft(self, runner, step, buf: torch.Tensor) -> torch.Tensor:
+        """Each slot's first draft and hidden state from its state row (``index_select``: int32 indices as they
+        are), the chained drafts, then ``-1`` past each slot's drafts (the packed ``cap``)."""
         part = step.packed.part
-        state, k = part(buf, "state").long(), part(buf, "num_drafts").long()
-        tok, h = self.first[state], self.hidden[state]
-        drafts = [torch.where(k > 0, tok, -1)]
+        state = part(buf, "state")
+        tok, h = self.first.index_select(0, state), self.hidden.index_select(0, state)
+        drafts = [tok]
         for j in range(2, self.n + 1):  # draft j at position c + j - 1, from the module's row at c + j - 2
-            if f"chain{j}" not in step.packed.plans:
-                drafts.append(torch.full_like(tok, -1))
-                continue
-            logits, h = self.model.mtp_step(step.packed.derive(buf, f"chain{j}"), runner.caches, tok, h)
-            tok = logits.argmax(dim=-1)
-            drafts.append(torch.where(k >= j, tok, -1))
-        return torch.stack(drafts, dim=1)
+            if f"chain{j}" in step.packed.plans:  # (else no slot drafts j: the cap drops it)
+                logits, h = self.model.mtp_step(step.packed.derive(buf, f"chain{j}"), runner.caches, tok, h)
+                tok = logits.argmax(dim=-1)
+            drafts.append(tok)
+        return torch.minimum(drafts[0][:, None] if self.n == 1 else torch.stack(drafts, dim=1), part(buf, "cap"))
 
     def observe(self, runner, step, buf, plan, ids, hidden, tokens, accepted) -> None:
         """The module over the step's rows (a decode request's padding rows write nowhere): every row with
-        the token after it (the next input id in its request; a request's last row, the next prompt token
-        of a chunk; a sampled slot's emitted token at its last accepted row), the first draft and hidden
-        state of each slot's request from that row. Row ``T'`` of the next ids is the scratch row the
-        padding slots' indices point at."""
-        part, t = step.packed.part, ids.shape[0]
-        nxt = torch.cat((torch.roll(ids.long(), -1), ids.new_zeros(1, dtype=torch.int64)))
-        nxt[part(buf, "last").long()] = part(buf, "after").long()
-        anchor = part(buf, "base").long() + accepted
-        nxt[anchor] = tokens.gather(1, accepted[:, None])[:, 0]
-        at = anchor.clamp_max(t - 1)
-        logits, y = self.model.mtp_step(plan, runner.caches, nxt[:t], hidden, logits_rows=at)
-        state = part(buf, "state").long()
+        the token after it (:func:`~dsa.kernels.pick_ids` of the packed ``next_*`` arrays: a sampled slot's
+        emitted token at each of its accepted rows and the row after them, else the next input id in its
+        request, else at a request's last row the next prompt token of a chunk), the first draft and hidden
+        state of each slot's request from its last accepted row (``anchor + accepted``: a padding slot's the
+        plan's last row)."""
+        part = step.packed.part
+        nxt = pick_ids(part(buf, "next_id"), tokens.reshape(-1), part(buf, "next_token"), ids, part(buf, "next_row"))
+        at = part(buf, "anchor") + accepted
+        logits, y = self.model.mtp_step(plan, runner.caches, nxt, hidden, logits_rows=at)
+        state = part(buf, "state").long()  # (one cast for both writes: indexing casts an int32 index itself)
         self.first[state] = logits.argmax(dim=-1)
         self.hidden[state] = y[at]
 

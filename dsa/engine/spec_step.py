@@ -20,6 +20,7 @@ Device, the same ops eagerly or captured:
 A graph is captured on the bucket's padding step (every row writes nowhere, every index a scratch row), at
 the warm-up or on first use, so a capture changes no request's state.
 """
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,13 +28,14 @@ import torch
 
 from dsa.engine.drafter import Slots, pad_to
 from dsa.engine.rejection import rejection_sample
+from dsa.kernels import pick_ids
 from dsa.model.plan import Bucket, HostPlan, PackedStep
 
 
 @dataclass
 class SpecStep:
     """A speculating step on the host, packed for its one upload (module docstring)."""
-    packed: PackedStep  # "verify", the drafter's plans; "num_drafts", "base", "last", "after", the drafter's arrays
+    packed: PackedStep  # "verify", the drafter's plans; "next_*" (_next_ids), "anchor"; the drafter's arrays
     sampled: np.ndarray  # [S] the step index of each sampled request
     rows: np.ndarray  # [B] the requests' rows of the input batch
     slots: int  # S': S, or the graph bucket's rows
@@ -94,7 +96,7 @@ def pack(runner, out) -> SpecStep:
     # of >= N + 1 rows: its last token, then its drafts)
     ids, src = batch.input_ids(rows, q, c, each)
     base = (ends - 1 - k)[at]  # the row of each sampled request's last token
-    src = _draft_src(np.full(len(ids), -1) if src is None else src, base, ks, drafts, n)
+    src = _draft_src(ids, np.full(len(ids), -1) if src is None else src, base, ks, drafts, n)
     batch.expect(rows[at], (nxt - k)[at], sampled)  # each one's sampled place
     after = np.maximum(batch.token_ids[rows, np.minimum(nxt, batch.token_ids.shape[1] - 1)], 0)  # each one's next id
     offsets = np.arange(n + 1) if full else np.minimum(np.arange(n + 1), ks[:, None])  # [S, N + 1]
@@ -107,14 +109,19 @@ def pack(runner, out) -> SpecStep:
     return _packed(runner, host, slots, sampled, rows, host.row_index[base], host.row_index[ends - 1], after)
 
 
-def _draft_src(src: np.ndarray, base: np.ndarray, drafts: np.ndarray, total: int, n: int) -> np.ndarray:
+def _draft_src(ids: np.ndarray, src: np.ndarray, base: np.ndarray, drafts: np.ndarray, total: int,
+               n: int) -> np.ndarray:
     """``src [T]`` with each draft row's: draft row ``j`` of sampled request ``s`` (rows ``base[s] + 1 ..``,
-    ``drafts[s]`` of them, ``[S]`` each, ``total`` in all) reads draft ``s * n + j``."""
+    ``drafts[s]`` of them, ``[S]`` each, ``total`` in all) reads draft ``s * n + j``; its id in ``ids`` 0 (what
+    the row reads where its draft is -1: :func:`draft_verify`)."""
     if total == len(drafts) * n:  # every request carries N drafts: a grid
-        src[(base[:, None] + np.arange(1, n + 1)).reshape(-1)] = np.arange(total)
+        rows, at = (base[:, None] + np.arange(1, n + 1)).reshape(-1), np.arange(total)
     elif total:
         j = np.arange(total) - np.repeat(np.cumsum(drafts) - drafts, drafts)
-        src[np.repeat(base + 1, drafts) + j] = np.repeat(np.arange(len(drafts)) * n, drafts) + j
+        rows, at = np.repeat(base + 1, drafts) + j, np.repeat(np.arange(len(drafts)) * n, drafts) + j
+    else:
+        return src
+    src[rows], ids[rows] = at, 0
     return src
 
 
@@ -126,14 +133,45 @@ def padding_step(runner, bucket: Bucket) -> SpecStep:
 
 
 def _packed(runner, host: HostPlan, slots: Slots, sampled, rows, base, last, after) -> SpecStep:
-    """The step's parts in one buffer; the plan's row count ``T'`` is the scratch row of its row indices."""
+    """The step's parts in one buffer: the plans, the verify rows' next ids (:func:`_next_ids`) and the
+    drafter's arrays (``base`` ``[S]``: the plan row of each sampled slot's last token; ``last`` ``[B]``: of each
+    request's last row, ``after`` ``[B]`` the id after it)."""
     t = host.spec["positions"][1]  # T': a position per plan row
-    reqs = len(rows) if host.bucket is None else host.bucket.rows
     plans, arrays = runner.drafter.prepare(runner, slots)
     packed = PackedStep({"verify": host, **plans},
-                        {"num_drafts": pad_to(slots.num_drafts, slots.size, 0), "base": pad_to(base, slots.size, t),
-                         "last": pad_to(last, reqs, t), "after": pad_to(after, reqs, 0), **arrays})
+                        {**_next_ids(t, runner.next_n, base, slots.num_drafts, last, after),
+                         "anchor": pad_to(np.minimum(base, t - 1), slots.size, t - 1), **arrays})
     return SpecStep(packed, sampled, rows, slots.size, slots.num_drafts)
+
+
+def _next_ids(t: int, rows: int, base, drafts, last, after) -> dict:
+    """Where each of the ``T'`` verify rows finds the id after it (:func:`~dsa.kernels.pick_ids` in the
+    drafter's observation): ``next_token`` ``[T']``, for row ``j`` of sampled slot ``s`` (rows ``base[s] ..
+    base[s] + drafts[s]``), its emitted token ``s * rows + j`` (``rows``: N + 1), where it has one; else
+    ``next_row`` ``[T']``, the next row's id (the last row's: row 0's); else, at each request's last row
+    (``last``), ``next_id`` ``[T']`` the id after it (``after``). -1: none. The first two are the same for
+    every step of one layout (cached: :func:`_next_rows`)."""
+    next_token, next_row = _next_rows(t, rows, *(np.asarray(a, np.int64).tobytes() for a in (base, drafts, last)))
+    next_id = np.zeros(t, np.int32)
+    next_id[last] = after
+    return {"next_token": next_token, "next_row": next_row, "next_id": next_id}
+
+
+@functools.lru_cache(maxsize=4096)
+def _next_rows(t: int, rows: int, base: bytes, drafts: bytes, last: bytes) -> tuple:
+    """``(next_token, next_row)`` ``[T']`` int32 of :func:`_next_ids` (``base``, ``drafts``, ``last``: int64
+    bytes), read-only."""
+    base, drafts, last = (np.frombuffer(a, np.int64) for a in (base, drafts, last))
+    next_row = np.arange(1, t + 1, dtype=np.int32)
+    next_row[-1:] = 0
+    next_row[last] = -1
+    next_token = np.full(t, -1, np.int32)
+    j = np.arange(rows)
+    emits = j <= drafts[:, None]  # [S, N + 1]
+    next_token[(base[:, None] + j)[emits]] = (np.arange(len(base))[:, None] * rows + j)[emits]
+    for a in (next_token, next_row):
+        a.flags.writeable = False
+    return next_token, next_row
 
 
 def draft_verify(runner, step: SpecStep, buf: torch.Tensor) -> tuple:
@@ -141,8 +179,8 @@ def draft_verify(runner, step: SpecStep, buf: torch.Tensor) -> tuple:
     drafts = runner.drafter.draft(runner, step, buf)
     verify = step.packed.part(buf, "verify")
     if drafts.numel():  # (a step of no sampled request, always eager, has no draft to read)
-        ids, src = step.host.view(verify, "ids"), step.host.view(verify, "src").long()
-        ids.copy_(torch.where(src >= 0, drafts.reshape(-1).clamp_min(0)[src.clamp_min(0)].to(ids.dtype), ids))
+        ids = step.host.view(verify, "ids")  # a draft row's id is 0 where its draft is -1 (pack)
+        pick_ids(ids, drafts.reshape(-1), step.host.view(verify, "src"), out=ids)
     logits, hidden = runner._forward(step.packed.derive(buf, "verify"), True)
     logits = logits[:step.slots * runner.next_n].view(step.slots, runner.next_n, logits.shape[-1])
     tokens, accepted = rejection_sample(logits, drafts, all_greedy=True)

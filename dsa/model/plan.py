@@ -410,9 +410,10 @@ def _decode_row_facts(seq: np.ndarray, next_n: int) -> tuple:
     """``(row_ids, lengths)`` of ``R`` decode requests of lengths ``seq`` ``[R]``, ``next_n`` rows each: row
     ``b * next_n + j`` reads ``block_table[b]`` and sees ``max(0, S_b - next_n + j + 1)`` positions (``lengths``
     None at ``next_n = 1``: ``seq_lens``)."""
-    j = np.arange(len(seq) * next_n)
-    row_ids = j // next_n
-    return row_ids, None if next_n == 1 else np.maximum(seq[row_ids] - next_n + 1 + j % next_n, 0)
+    if next_n == 1:
+        return np.arange(len(seq)), None
+    lengths = (seq[:, None] + np.arange(1 - next_n, 1)).reshape(-1)
+    return np.repeat(np.arange(len(seq)), next_n), np.maximum(lengths, 0, out=lengths)
 
 
 def _pack(lay: _Layout, tables, ids, src, logits_rows, routed: Route) -> tuple[dict, _Packer]:
@@ -453,6 +454,7 @@ class _DecodeFacts(NamedTuple):
     route: Route
     row_index: np.ndarray | None  # [T] int64 when every request is full (plan rows 0 .. T - 1), else None
     template: np.ndarray  # the packed buffer but for the step's own values: each padding entry's fill
+    offsets: np.ndarray  # [next_n] int64, 1 - next_n .. 0: row j of a request of S tokens sees S + offsets[j]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -488,8 +490,8 @@ def _decode_facts(bucket: Bucket, num_requests: int, num_tokens: int, num_logits
         template[rn:rn + num_tokens] = row_index // n
     routed = decode_route(num_rows, num_tokens, bucket.max_seq_len, index_topk, n)
     routed = dataclasses.replace(routed, rows=MappingProxyType(routed.rows))
-    facts = _DecodeFacts(np.full(num_rows, n, np.int64), spec, routed, row_index, template)
-    for a in (facts.query_lens, routed.decode_reqs, row_index, template):
+    facts = _DecodeFacts(np.full(num_rows, n, np.int64), spec, routed, row_index, template, np.arange(1 - n, 1))
+    for a in (facts.query_lens, routed.decode_reqs, row_index, template, facts.offsets):
         if a is not None:
             a.flags.writeable = False
     return facts
@@ -514,8 +516,9 @@ def _decode_parts(facts: _DecodeFacts, start, seq, tables, ids, src, rows, row_i
     lens, table, logits = spec["seq_lens"][0], spec["table"][0], spec["logits_rows"][0]
     buf[lens:lens + b] = seq
     if n > 1:  # the requests' rows' visible lengths (_decode_row_facts)
-        at = spec["decode_lengths"][0]
-        buf[at:at + b * n].reshape(b, n)[:] = np.maximum(seq[:, None] - n + 1 + np.arange(n), 0)
+        at, lengths = spec["decode_lengths"][0], seq[:, None] + facts.offsets
+        np.maximum(lengths, 0, out=lengths)
+        buf[at:at + b * n] = lengths.reshape(-1)
     buf[table:logits] = tables.reshape(-1)
     if rows is not None:
         buf[logits:logits + len(rows)] = row_index[rows]
