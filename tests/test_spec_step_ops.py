@@ -10,7 +10,7 @@ import pytest
 
 from dsa import Engine, SamplingParams
 from dsa.testing import DeviceOps
-from tests.model_utils import prompt, spec_model
+from model_utils import prompt, spec_model
 
 # N -> the most glue ops (everything outside "target" and "mtp_step") of the two bodies together, as reached by
 # #39's cuts (before them, counted alike: 71, 77 and 83; at N = 2 derive 14 + 11, accept 15, the passes' 18 + 19)
