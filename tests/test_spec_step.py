@@ -89,7 +89,7 @@ def test_a_sampled_step_adds_the_rejection_sampler_alone(tiny, monkeypatch):
     for eager, uploads, reads, replays, by_name in steps:
         # the step's buffer, then temperature, top_k, top_p, min_p, greedy and the noise keys
         assert (uploads, reads, replays) == (7, 1, 2) and eager > 0, by_name
-        assert by_name.get("copy") == 2, by_name  # its tokens and counts in place of the greedy ones
+        assert by_name.get("copy") == 3, by_name  # its tokens, counts and their packed read in place of the greedy ones
     again = Engine(model, num_blocks=64, max_batch_tokens=64, speculative_tokens=2)
     assert again.generate(PROMPTS[:2], sampling=sampling) == engine.generate(PROMPTS[:2], sampling=sampling)
 
@@ -201,3 +201,21 @@ def test_a_graph_captured_on_use_changes_no_request_state(tiny, monkeypatch):
     assert torch.equal(drafter.first[:-1], first) and torch.equal(drafter.hidden[:-1], hidden)
     after = [t.data for layer in runner.caches for t in layer if t is not None]
     assert all(torch.equal(a, b) for a, b in zip(after, caches))
+
+
+def test_the_tokens_copy_is_queued_before_the_drafters_pass(tiny, monkeypatch):
+    """The step's read waits for the first pass alone: its copy is queued before the drafter's pass, so the
+    host finishes the step and packs the next one while that pass runs; the same tokens, and the draft and
+    verify seconds still counted."""
+    from dsa.engine import sampling, speculative
+    model, reference = tiny
+    engine = Engine(model, num_blocks=64, max_batch_tokens=64, speculative_tokens=2)
+    order = []
+    finish, pending = spec_step.finish, sampling.PendingSample.__init__
+    monkeypatch.setattr(spec_step, "finish", lambda *a: (order.append("observe"), finish(*a))[1])
+    monkeypatch.setattr(speculative.PendingSample, "__init__",
+                        lambda self, *a: (order.append("copy"), pending(self, *a))[1])
+    assert engine.generate(PROMPTS, NEW) == reference
+    assert order and order == ["copy", "observe"] * (len(order) // 2), order
+    s = engine.stats.spec
+    assert s.verify_steps > 0 and s.verify_s > 0 and s.draft_s > 0

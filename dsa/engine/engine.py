@@ -224,10 +224,12 @@ class Engine:
         n = self.speculative_tokens
         self._stats = EngineStats(spec=speculative.SpecStats(n, by_position=[0] * n, proposed_by_position=[0] * n,
                                                                  accepted_lengths=[0] * (n + 1)))
+        self._spec_clocks = []  # finished verify steps whose drafter's pass may still run: timed when done
 
     @property
     def stats(self) -> EngineStats:
         s = self._stats
+        speculative.add_times(s.spec, self._spec_clocks, wait=True)  # (the last steps' drafter passes)
         s.blocks_in_use, s.prefix = self.scheduler.blocks.num_used, self.scheduler.blocks.stats
         s.kernel_compiles = compiles.total()
         s.compiles_after_warmup = None if self._warm_total is None else s.kernel_compiles - self._warm_total
@@ -470,7 +472,8 @@ class Engine:
             results.append((sampled, tokens, reason is not None))
             reasons.append(reason)
             kept.append(len(tokens))
-        speculative.count(self._stats.spec, step, accepted, kept)
+        speculative.add_times(self._stats.spec, self._spec_clocks, wait=False)
+        speculative.count(self._stats.spec, step, accepted, kept, self._spec_clocks)
         self.scheduler.update(results)
         produced = {}
         for (sampled, tokens, _), reason in zip(results, reasons):

@@ -11,11 +11,13 @@ indices point at scratch rows).
 Device, the same ops eagerly or captured:
 
 1. :func:`draft_verify`: the drafts ``[S', N]`` (-1 past each slot's), read into the verify rows' ids; the
-   target's forward; the greedy acceptance (the longest prefix of drafts equal to the argmax);
+   target's forward; the greedy acceptance (the longest prefix of drafts equal to the argmax), its tokens and
+   accepted counts packed for the step's one read;
 2. a step with a sampled request runs the rejection sampler eagerly between the two passes, and its tokens
-   and accepted counts replace the greedy ones (:meth:`SpecResult.accept`);
+   and accepted counts replace the greedy ones (:meth:`SpecResult.accept`); the read's copy is queued here;
 3. :func:`observe`: the drafter's pass over the verify rows (the MTP module: its caches, each request's next
-   first draft and hidden state), then the tokens and accepted counts packed for the step's one read.
+   first draft and hidden state). The host reads the tokens while it runs: it finishes the step and packs
+   the next one meanwhile (stream order keeps the next step's upload and passes after it).
 
 A graph is captured on the bucket's padding step (every row writes nowhere, every index a scratch row), at
 the warm-up or on first use, so a capture changes no request's state.
@@ -58,8 +60,7 @@ class SpecGraph:
     buf: torch.Tensor  # [packed.size] int32
     layout: tuple  # PackedStep.layout of the bucket
     spec: dict  # the verify plan's layout
-    outputs: tuple  # draft_verify's: drafts, logits, hidden, tokens, accepted
-    packed: torch.Tensor  # observe's: [S', N + 2] float64
+    outputs: tuple  # draft_verify's: drafts, logits, hidden, tokens, accepted, packed
 
 
 @dataclass
@@ -72,12 +73,15 @@ class SpecResult:
     hidden: torch.Tensor  # [T', hidden]: every verify row's hidden state after the final norm
     tokens: torch.Tensor  # [S', N + 1] int64: the accepted drafts, then one more token, then -1
     accepted: torch.Tensor  # [S'] int64
+    packed: torch.Tensor  # [S', N + 2] float64: each slot's tokens, then its accepted count (the step's read)
     graph: SpecGraph | None  # the graphs replayed (None: eager)
 
     def accept(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """The rejection sampler's tokens and counts of the first ``S`` slots, in place of the greedy ones."""
-        self.tokens[:tokens.shape[0]].copy_(tokens)
-        self.accepted[:accepted.shape[0]].copy_(accepted)
+        s = tokens.shape[0]
+        self.tokens[:s].copy_(tokens)
+        self.accepted[:s].copy_(accepted)
+        self.packed[:s].copy_(_packed_tokens(tokens, accepted))
 
 
 def pack(runner, out) -> SpecStep:
@@ -175,7 +179,7 @@ def _next_rows(t: int, rows: int, base: bytes, drafts: bytes, last: bytes) -> tu
 
 
 def draft_verify(runner, step: SpecStep, buf: torch.Tensor) -> tuple:
-    """The first pass: ``(drafts, logits, hidden, tokens, accepted)`` (:class:`SpecResult`), greedy."""
+    """The first pass: ``(drafts, logits, hidden, tokens, accepted, packed)`` (:class:`SpecResult`), greedy."""
     drafts = runner.drafter.draft(runner, step, buf)
     verify = step.packed.part(buf, "verify")
     if drafts.numel():  # (a step of no sampled request, always eager, has no draft to read)
@@ -184,15 +188,20 @@ def draft_verify(runner, step: SpecStep, buf: torch.Tensor) -> tuple:
     logits, hidden = runner._forward(step.packed.derive(buf, "verify"), True)
     logits = logits[:step.slots * runner.next_n].view(step.slots, runner.next_n, logits.shape[-1])
     tokens, accepted = rejection_sample(logits, drafts, all_greedy=True)
-    return drafts, logits, hidden, tokens, accepted
+    return drafts, logits, hidden, tokens, accepted, _packed_tokens(tokens, accepted)
+
+
+def _packed_tokens(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """``[S, N + 2]`` float64: each slot's tokens, then its accepted count (the staging dtype of the read)."""
+    return torch.cat((tokens, accepted[:, None]), dim=1).double()
 
 
 def observe(runner, step: SpecStep, buf: torch.Tensor, hidden, tokens, accepted) -> tuple:
-    """The second pass: the drafter's observation of the verify rows; ``(packed [S', N + 2] float64,)``, each
-    slot's tokens then its accepted count (float64: the staging dtype of the sampled tokens' read)."""
+    """The second pass: the drafter's observation of the verify rows (no outputs: it writes the drafter's
+    caches and state)."""
     ids = step.host.view(step.packed.part(buf, "verify"), "ids")
     runner.drafter.observe(runner, step, buf, step.packed.derive(buf, "verify"), ids, hidden, tokens, accepted)
-    return (torch.cat((tokens, accepted[:, None]), dim=1).double(),)
+    return ()
 
 
 def capture(runner, bucket: Bucket) -> SpecGraph:
@@ -202,8 +211,8 @@ def capture(runner, bucket: Bucket) -> SpecGraph:
     step.packed.upload(runner.device, buf)
     first, outputs = runner.record(lambda: draft_verify(runner, step, buf))
     first.replay()  # a captured graph has not run: its outputs (the indices the second pass reads) hold nothing yet
-    second, (packed,) = runner.record(lambda: observe(runner, step, buf, *outputs[2:]))
-    g = runner.graphs[bucket] = SpecGraph(first, second, buf, step.packed.layout, step.host.spec, outputs, packed)
+    second, _ = runner.record(lambda: observe(runner, step, buf, *outputs[2:5]))
+    g = runner.graphs[bucket] = SpecGraph(first, second, buf, step.packed.layout, step.host.spec, outputs)
     return g
 
 
@@ -222,12 +231,10 @@ def run(runner, out) -> SpecResult:
     return SpecResult(step, g.buf, *g.outputs, g)
 
 
-def finish(runner, result: SpecResult) -> torch.Tensor:
-    """The second pass; returns the packed ``[S, N + 2]`` rows of the sampled requests (on the device)."""
+def finish(runner, result: SpecResult) -> None:
+    """The second pass (by the bucket's graph when the first replayed one)."""
     if result.graph is not None:
         result.graph.observe.replay()
-        packed = result.graph.packed
     else:
-        (packed,) = observe(runner, result.step, result.buf, result.hidden, result.tokens, result.accepted)
-    return packed[:len(result.step.sampled)]
+        observe(runner, result.step, result.buf, result.hidden, result.tokens, result.accepted)
 

@@ -9,13 +9,14 @@ over the rows) and the longest agreeing prefix is accepted (greedy); then the dr
 (the MTP module over them). When every request decodes the step replays the two CUDA graphs of its batch
 and context bucket and ``next_n``. A step with a sampled request runs the rejection sampler
 (:mod:`dsa.engine.rejection`) eagerly between the two passes. The host then reads the tokens once (the
-step's one sync), applies the stop rules token by token (EOS, stop tokens, stop strings, ``max_tokens``: a
-stop inside the accepted drafts drops the tokens after it), and the scheduler advances each request by its
-accepted rows. Rejected rows stay in the caches past the request's ``computed`` length: no row reads them
+step's one sync, on the first pass's copy: the drafter's pass still runs while the host applies the stop
+rules and schedules and packs the next step), applies the stop rules token by token (EOS, stop tokens,
+stop strings, ``max_tokens``: a stop inside the accepted drafts drops the tokens after it), and the
+scheduler advances each request by its accepted rows. Rejected rows stay in the caches past the request's ``computed`` length: no row reads them
 (attention is causal) and the next step overwrites them; no prefix-cache name covers them.
 
-Speculating engines schedule without overlap (each step is finished before the next is scheduled);
-``speculative_tokens=0`` is the plain engine, unchanged.
+Speculating engines schedule each step after the one before is read (its accepted counts decide the next
+step's rows); ``speculative_tokens=0`` is the plain engine, unchanged.
 """
 import time
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ class SpecStats:
 
 
 class _Clock:
-    """Wall seconds of device work between marks, read after the step's sync (CUDA events on CUDA)."""
+    """Wall seconds of device work between marks (CUDA events on CUDA), read once the last has happened."""
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
@@ -77,9 +78,13 @@ class _Clock:
         else:
             self.marks.append(time.perf_counter())
 
+    def done(self) -> bool:
+        """Whether :meth:`spans` can answer without waiting (the last mark follows the drafter's pass)."""
+        return not self.cuda or self.marks[-1].query()
+
     def spans(self) -> list:
         m = self.marks
-        if self.cuda:  # the last mark can follow work queued after the tokens' copy (the MTP pass)
+        if self.cuda:
             m[-1].synchronize()
             return [a.elapsed_time(b) / 1e3 for a, b in zip(m, m[1:])]
         return [b - a for a, b in zip(m, m[1:])]
@@ -122,7 +127,9 @@ def launch(engine, out) -> VerifiedStep:
         s = len(out.sampled)
         result.accept(*rejection_sample(result.logits[:s], result.drafts[:s], **args))
     clock.mark()
-    packed = spec_step.finish(runner, result)
+    packed = result.packed[:len(out.sampled)] if len(out.sampled) else torch.zeros(0, n + 2, dtype=torch.float64)
+    packed = PendingSample(packed, packed, None, None, engine.sampler.staging)  # its copy now, before the drafter's
+    spec_step.finish(runner, result)  # pass: the host reads the tokens while that pass runs
     clock.mark()
     s = engine._stats
     host = result.step.host
@@ -130,20 +137,20 @@ def launch(engine, out) -> VerifiedStep:
         s.rows[path] += rows
     s.peak_workspace_bytes = max(s.peak_workspace_bytes, host.route.workspace_bytes)
     s.graph_steps += result.graph is not None
-    packed = packed if len(out.sampled) else torch.zeros(0, n + 2, dtype=torch.float64)
-    packed = PendingSample(packed, packed, None, None, engine.sampler.staging)  # read when the step finishes
     return VerifiedStep(out.sampled, packed, clock, result.step.num_drafts)
 
 
-def count(stats: SpecStats, step: VerifiedStep, accepted: list, emitted: list) -> None:
+def count(stats: SpecStats, step: VerifiedStep, accepted: list, emitted: list, clocks: list | None = None) -> None:
     """Speculation's counters for a finished step (``accepted``: drafts each sampled request accepted;
-    ``emitted``: tokens each kept)."""
+    ``emitted``: tokens each kept). Its seconds are read now, or with ``clocks`` (a list the engine keeps)
+    once its drafter's pass is done (:func:`add_times`): reading them now would wait for that pass."""
     k = step.num_drafts.tolist()
     if not any(k):  # a prefill step, or one whose requests could take no draft: not a verify step's cost
         return
-    spans = step.clock.spans()
-    stats.verify_s += spans[0]
-    stats.draft_s += spans[1]
+    if clocks is None:
+        add_times(stats, [step.clock], wait=True)
+    else:
+        clocks.append(step.clock)
     stats.verify_steps += 1
     for kk, a, e in zip(k, accepted, emitted):
         if not kk:
@@ -156,3 +163,12 @@ def count(stats: SpecStats, step: VerifiedStep, accepted: list, emitted: list) -
         for j in range(kk):
             stats.proposed_by_position[j] += 1
             stats.by_position[j] += j < a
+
+
+def add_times(stats: SpecStats, clocks: list, wait: bool) -> None:
+    """Add the verify and draft seconds of ``clocks`` (verify steps' :class:`_Clock`, oldest first) to
+    ``stats`` and drop them from the list: all of them with ``wait``, else those already done."""
+    while clocks and (wait or clocks[0].done()):
+        spans = clocks.pop(0).spans()
+        stats.verify_s += spans[0]
+        stats.draft_s += spans[1]
