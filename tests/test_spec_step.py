@@ -155,8 +155,9 @@ def test_the_observations_next_ids_are_the_old_chains(seed):
     want = _old_next_ids(ids, tokens, torch.from_numpy(accepted), torch.from_numpy(np.concatenate(
         (base, np.full(slots - len(k), t)))), torch.from_numpy(np.concatenate((last, np.full(len(lengths) - reqs, t)))),
         torch.from_numpy(np.concatenate((after, np.zeros(len(lengths) - reqs, np.int64)))))
-    arrays = {name: torch.from_numpy(a.astype(np.int32)) for name, a in
-              spec_step._next_ids(t, n + 1, base, k, last, after).items()}
+    made = {cached: spec_step._next_ids(t, n + 1, base, k, last, after, cached) for cached in (False, True)}
+    assert all(np.array_equal(made[False][name], made[True][name]) for name in made[False])
+    arrays = {name: torch.from_numpy(a.astype(np.int32)) for name, a in made[True].items()}
     anchor = torch.from_numpy(np.concatenate((np.minimum(base, t - 1), np.full(slots - len(k), t - 1))))
     for backend in ("torch", "triton"):
         got = K.pick_ids(arrays["next_id"], tokens.reshape(-1), arrays["next_token"], ids, arrays["next_row"],
@@ -219,3 +220,14 @@ def test_the_tokens_copy_is_queued_before_the_drafters_pass(tiny, monkeypatch):
     assert order and order == ["copy", "observe"] * (len(order) // 2), order
     s = engine.stats.spec
     assert s.verify_steps > 0 and s.verify_s > 0 and s.draft_s > 0
+
+
+def test_eager_steps_keep_no_layout_cache(tiny):
+    """Only a graph bucket's steps (whose layouts repeat) cache their next-id rows and draft caps: an eager
+    step's layouts follow its prompts, and a cache of them would grow with the requests served."""
+    from dsa.engine import drafter
+    model, reference = tiny
+    engine = Engine(model, num_blocks=64, max_batch_tokens=64, speculative_tokens=2)  # eager: no graphs on CPU
+    before = spec_step._next_rows.cache_info().currsize, drafter._draft_cap.cache_info().currsize
+    assert engine.generate(PROMPTS, NEW) == reference
+    assert (spec_step._next_rows.cache_info().currsize, drafter._draft_cap.cache_info().currsize) == before

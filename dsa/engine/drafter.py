@@ -95,7 +95,8 @@ class MTPDrafter:
         plans = {f"chain{j}": self._chain_plan(runner, slots, c + np.maximum(np.minimum(j - 2, k - 1), 0))
                  for j in range(2, 2 + chains)}
         return plans, {"state": pad_to(slots.rows, slots.size, self.scratch),
-                       "cap": _draft_cap(slots.size, self.n, np.asarray(k, np.int64).tobytes())}
+                       "cap": (_draft_cap if slots.bucket is not None else _draft_cap.__wrapped__)(  # (cached for
+                           slots.size, self.n, np.asarray(k, np.int64).tobytes())}  # a graph bucket's layouts only)
 
     def _chain_plan(self, runner, slots: Slots, context: np.ndarray) -> HostPlan:
         """One MTP decode row per slot after ``context`` cached tokens (a graph bucket's rows and context)."""

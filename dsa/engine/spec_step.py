@@ -143,19 +143,21 @@ def _packed(runner, host: HostPlan, slots: Slots, sampled, rows, base, last, aft
     t = host.spec["positions"][1]  # T': a position per plan row
     plans, arrays = runner.drafter.prepare(runner, slots)
     packed = PackedStep({"verify": host, **plans},
-                        {**_next_ids(t, runner.next_n, base, slots.num_drafts, last, after),
+                        {**_next_ids(t, runner.next_n, base, slots.num_drafts, last, after, host.bucket is not None),
                          "anchor": pad_to(np.minimum(base, t - 1), slots.size, t - 1), **arrays})
     return SpecStep(packed, sampled, rows, slots.size, slots.num_drafts)
 
 
-def _next_ids(t: int, rows: int, base, drafts, last, after) -> dict:
+def _next_ids(t: int, rows: int, base, drafts, last, after, cached: bool) -> dict:
     """Where each of the ``T'`` verify rows finds the id after it (:func:`~dsa.kernels.pick_ids` in the
     drafter's observation): ``next_token`` ``[T']``, for row ``j`` of sampled slot ``s`` (rows ``base[s] ..
     base[s] + drafts[s]``), its emitted token ``s * rows + j`` (``rows``: N + 1), where it has one; else
     ``next_row`` ``[T']``, the next row's id (the last row's: row 0's); else, at each request's last row
     (``last``), ``next_id`` ``[T']`` the id after it (``after``). -1: none. The first two are the same for
-    every step of one layout (cached: :func:`_next_rows`)."""
-    next_token, next_row = _next_rows(t, rows, *(np.asarray(a, np.int64).tobytes() for a in (base, drafts, last)))
+    every step of one layout: ``cached`` (a graph bucket's step, whose layouts repeat) keeps them
+    (:func:`_next_rows`); an eager step's, whose layouts mostly do not, are made anew (no cache to grow)."""
+    keys = (np.asarray(a, np.int64).tobytes() for a in (base, drafts, last))
+    next_token, next_row = (_next_rows if cached else _next_rows.__wrapped__)(t, rows, *keys)
     next_id = np.zeros(t, np.int32)
     next_id[last] = after
     return {"next_token": next_token, "next_row": next_row, "next_id": next_id}
