@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from dsa.cache import LatentCache, write_latent
 from dsa.config import DSAConfig, layer_runs_indexer, softmax_scale
@@ -182,7 +181,9 @@ class DSAAttention(nn.Module):
             if not seg.pos0:  # no prefix: top-left and bottom-right causal alignment coincide
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
             else:  # query i at pos0 + i sees keys 0 .. pos0 + i: bottom-right causal, no mask tensor (flash
-                # attention takes it as is; a materialized mask would send it to the efficient kernel)
+                # attention takes it as is; a materialized mask would send it to the efficient kernel). Imported
+                # here: torch.nn.attention.bias imports torch._dynamo (~2.5 s a process, every `dsa serve`'s)
+                from torch.nn.attention.bias import causal_lower_right
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(seg.num_rows, s),
                                                    scale=self.softmax_scale)
         return o[0, ..., :c.v_head_dim].transpose(0, 1)
