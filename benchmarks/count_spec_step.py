@@ -17,7 +17,7 @@ import torch
 from dsa.engine import Engine
 from dsa.engine.sampling import SamplingParams
 from dsa.model.presets import default_model
-from dsa.testing import DeviceOps, StepOps
+from dsa.testing import DeviceOps, StepOps, record_bodies
 
 
 class _Patch:
@@ -75,15 +75,8 @@ def count_bodies(n: int, context: int) -> dict:
     model = default_model("cpu", dtype=torch.bfloat16)
     ids = torch.randint(1, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     engine = Engine(model, num_blocks=64, prefix_caching=False, speculative_tokens=n)
-    bodies, patch = [], _Patch()
-
-    def record(step):
-        outputs = step()
-        bodies.append(step)
-        return SimpleNamespace(replay=lambda: [o.copy_(r) for o, r in zip(outputs, step()) if o is not None]), outputs
-
-    patch.setattr(engine.runner, "use_graphs", True)
-    patch.setattr(engine.runner, "record", record)
+    patch = _Patch()
+    bodies = record_bodies(engine.runner, patch)
     engine.add_request(ids, sampling=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.step()  # the prefill
     engine.step()  # the first decode step captures its bucket's graphs

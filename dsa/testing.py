@@ -1,6 +1,7 @@
 """Helpers the benchmarks share with the tests: random block tables, comparisons of results, and counters of what
 a step does on the host (:class:`StepOps`) and launches on the device (:class:`DeviceOps`)."""
 import functools
+from types import SimpleNamespace
 
 import torch
 
@@ -140,6 +141,22 @@ _NO_LAUNCH = {"empty", "empty_strided", "scalar_tensor"}
 DEVICE_PHASES = {"target": ("dsa.model.model", "DSAModel.step"), "mtp_step": ("dsa.model.model", "DSAModel.mtp_step"),
                  "derive": ("dsa.model.plan", "HostPlan.derive"),
                  "accept": ("dsa.engine.spec_step", "rejection_sample")}
+
+
+def record_bodies(runner, monkeypatch) -> list:
+    """CUDA graphs emulated on any device for :class:`DeviceOps`: the runner's ``record`` runs each step once
+    and keeps its body in the returned list; a replay reruns it into the same outputs (``monkeypatch``:
+    pytest's, or any object with ``setattr``)."""
+    bodies = []
+
+    def record(step):
+        outputs = step()
+        bodies.append(step)
+        return SimpleNamespace(replay=lambda: [o.copy_(r) for o, r in zip(outputs, step()) if o is not None]), outputs
+
+    monkeypatch.setattr(runner, "use_graphs", True)
+    monkeypatch.setattr(runner, "record", record)
+    return bodies
 
 
 class DeviceOps:

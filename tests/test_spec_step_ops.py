@@ -4,12 +4,10 @@ H200 a speculating step at batch 1 is bound by the number of kernels it launches
 around the target model and the MTP module (the plans' device facts, the greedy acceptance, the drafts read
 into the verify rows, the MTP module's next ids and state) stays at the counts reached; a plain decode step
 derives its plan by one op."""
-from types import SimpleNamespace
-
 import pytest
 
 from dsa import Engine, SamplingParams
-from dsa.testing import DeviceOps
+from dsa.testing import DeviceOps, record_bodies
 from model_utils import prompt, spec_model
 
 # N -> the most glue ops (everything outside "target" and "mtp_step") of the two bodies together, as reached by
@@ -26,15 +24,7 @@ def model():
 def _bodies(model, n: int, monkeypatch) -> list:
     """The graph bodies of a decode step (N = 0: one) or a verify step (two) of one request, B = 1, greedy."""
     engine = Engine(model, num_blocks=32, prefix_caching=False, speculative_tokens=n)
-    bodies = []
-
-    def record(step):
-        outputs = step()
-        bodies.append(step)
-        return SimpleNamespace(replay=lambda: [o.copy_(r) for o, r in zip(outputs, step()) if o is not None]), outputs
-
-    monkeypatch.setattr(engine.runner, "use_graphs", True)
-    monkeypatch.setattr(engine.runner, "record", record)
+    bodies = record_bodies(engine.runner, monkeypatch)
     engine.add_request(prompt(40, 3, vocab=256), sampling=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     engine.step()  # the prefill
     engine.step()  # the first decode step: its bucket's graphs captured
